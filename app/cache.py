@@ -1,0 +1,518 @@
+"""The verified artifact cache: content-addressed, crash-safe, shared between processes.
+
+Layout under ``root``::
+
+    artifacts/<manifest_sha256>/   published entries: manifest.json, files, .complete.json
+    tmp/<prefix>.<random>/         downloads in progress (flock held on the directory)
+    locks/<manifest_sha256>.lock   one fetcher per digest at a time (flock, exclusive)
+    leases/<manifest_sha256>.lease pins an entry against eviction (flock, shared)
+
+A fetch streams every file into a private temp directory while hashing it, compares size and
+SHA-256 with the manifest, fsyncs files and directories, writes the completion marker and
+renames the directory into place in one step. A crash leaves only temp directories whose lock
+is gone; they are swept when a cache is opened. Nothing under ``artifacts/`` is ever written in
+place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal
+
+from app.artifact_store import ArtifactSource
+from app.errors import ArtifactRejected
+from app.manifest import (
+    COMPLETE_MARKER_NAME,
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    FileEntry,
+    Manifest,
+    is_sha256_hex,
+    parse_manifest,
+    sha256_hex,
+)
+from app.signing import load_public_key, verify_manifest_signature
+
+GiB: Final = 1 << 30
+CHUNK_BYTES: Final = 8 << 20
+MAX_PARALLEL_FILES: Final = 4
+
+
+@dataclass(frozen=True)
+class CacheLimits:
+    """What a manifest may declare before a single byte is downloaded."""
+
+    max_files: int = 256
+    max_file_bytes: int = 64 * GiB
+    max_total_bytes: int = 256 * GiB
+
+
+@dataclass(frozen=True)
+class VerifiedArtifact:
+    """A complete, verified entry of the cache."""
+
+    path: Path
+    manifest: Manifest
+    manifest_sha256: str
+    cached: bool = False
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def file_path(self, rel: str) -> Path:
+        self.manifest.file(rel)  # KeyError for a path the manifest does not list
+        return self.path / rel
+
+    def read_verified(self, rel: str) -> bytes:
+        """Read a listed file and check size and digest of exactly the bytes returned.
+
+        Loaders deserialize from these bytes, so what is loaded is what was verified even if
+        the cached copy was changed after the fetch.
+        """
+        try:
+            entry = self.manifest.file(rel)
+        except KeyError:
+            raise ArtifactRejected(
+                "missing",
+                f"{rel!r} is not listed in the manifest",
+                artifact_id=self.manifest.artifact_id,
+            ) from None
+        try:
+            with open(self.path / rel, "rb") as fh:
+                data = fh.read(entry.bytes + 1)
+        except OSError as exc:
+            raise ArtifactRejected(
+                "missing",
+                f"cached file {rel!r} unreadable: {exc}",
+                artifact_id=self.manifest.artifact_id,
+            ) from exc
+        if len(data) != entry.bytes:
+            raise ArtifactRejected(
+                "size",
+                f"cached {rel!r} is {len(data)} bytes, manifest says {entry.bytes}",
+                artifact_id=self.manifest.artifact_id,
+            )
+        digest = sha256_hex(data)
+        if digest != entry.sha256:
+            raise ArtifactRejected(
+                "digest",
+                f"cached {rel!r} has sha256 {digest}, manifest says {entry.sha256}",
+                artifact_id=self.manifest.artifact_id,
+            )
+        return data
+
+
+class Lease:
+    """Pins one cache entry against eviction while held (a shared flock)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class ArtifactCache:
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        byte_budget: int | None = None,
+        limits: CacheLimits | None = None,
+        trust_key: Path | str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.byte_budget = byte_budget
+        self.limits = limits or CacheLimits()
+        self._trust_key = load_public_key(Path(trust_key)) if trust_key else None
+        self.artifacts_dir = self.root / "artifacts"
+        self.tmp_dir = self.root / "tmp"
+        self.locks_dir = self.root / "locks"
+        self.leases_dir = self.root / "leases"
+        for d in (self.artifacts_dir, self.tmp_dir, self.locks_dir, self.leases_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.swept = self.sweep()
+
+    # ------------------------------------------------------------------ public surface
+
+    def fetch_verified(
+        self,
+        manifest_uri: str,
+        manifest_sha256: str,
+        *,
+        recheck: Literal["sizes", "digests"] = "sizes",
+    ) -> VerifiedArtifact:
+        """Return the verified entry for ``manifest_sha256``, fetching it if needed.
+
+        ``recheck`` says how a hit is re-checked: file sizes (cheap; loaders re-hash what they
+        read anyway) or full digests (``rollout verify``). A corrupted hit is set aside and
+        fetched again.
+        """
+        digest = manifest_sha256.lower()
+        if not is_sha256_hex(digest):
+            raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
+        hit = self._open_entry(digest, recheck)
+        if hit is not None:
+            return hit
+        with self._digest_lock(digest):
+            # Another fetcher may have published while we waited for the lock.
+            hit = self._open_entry(digest, recheck)
+            if hit is not None:
+                return hit
+            return self._download(manifest_uri, digest)
+
+    def lease(self, manifest_sha256: str) -> Lease:
+        """Pin an entry (present or about to be fetched) against eviction until released."""
+        return Lease(self.leases_dir / f"{manifest_sha256.lower()}.lease")
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """Published entries as (digest, bytes, last use), least recently used first."""
+        found = []
+        for entry in self.artifacts_dir.iterdir():
+            marker = entry / COMPLETE_MARKER_NAME
+            try:
+                info = json.loads(marker.read_bytes())
+                found.append((entry.name, int(info["bytes"]), marker.stat().st_mtime))
+            except (OSError, ValueError, KeyError):
+                continue
+        return sorted(found, key=lambda item: item[2])
+
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries())
+
+    def evict(self, reserve: int = 0) -> list[str]:
+        """Remove least recently used entries until ``reserve`` more bytes fit the budget.
+
+        An entry under a lease, or being fetched, is never removed.
+        """
+        if self.byte_budget is None:
+            return []
+        entries = self.entries()
+        total = sum(size for _, size, _ in entries)
+        evicted: list[str] = []
+        for digest, size, _ in entries:
+            if total + reserve <= self.byte_budget:
+                break
+            if self._remove_unless_in_use(digest):
+                total -= size
+                evicted.append(digest)
+        return evicted
+
+    def sweep(self) -> list[str]:
+        """Remove leftovers of crashed fetches (temp dirs nobody holds) and half entries."""
+        removed = []
+        for tmp in self.tmp_dir.iterdir():
+            try:
+                fd = os.open(tmp, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if _try_flock(fd, fcntl.LOCK_EX):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    removed.append(tmp.name)
+            finally:
+                os.close(fd)
+        for entry in self.artifacts_dir.iterdir():
+            if not (entry / COMPLETE_MARKER_NAME).is_file():
+                # Cannot come from this code (the marker is written before the rename), but an
+                # operator's copy might: never serve it.
+                self._set_aside(entry, "incomplete")
+                removed.append(entry.name)
+        return removed
+
+    # ------------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _digest_lock(self, digest: str) -> Iterator[None]:
+        fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _remove_unless_in_use(self, digest: str) -> bool:
+        lease_fd = os.open(self.leases_dir / f"{digest}.lease", os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not (_try_flock(lease_fd, fcntl.LOCK_EX) and _try_flock(lock_fd, fcntl.LOCK_EX)):
+                return False
+            self._set_aside(self.artifacts_dir / digest, "evicted")
+            return True
+        finally:
+            os.close(lock_fd)
+            os.close(lease_fd)
+
+    def _set_aside(self, entry: Path, why: str) -> None:
+        """Unpublish atomically (rename), then delete at leisure."""
+        target = Path(tempfile.mkdtemp(prefix=f"{why}.", dir=self.tmp_dir))
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(entry, target / "entry")
+        shutil.rmtree(target, ignore_errors=True)
+
+    def _open_entry(self, digest: str, recheck: str) -> VerifiedArtifact | None:
+        entry = self.artifacts_dir / digest
+        if not (entry / COMPLETE_MARKER_NAME).is_file():
+            return None
+        started = time.monotonic()
+        try:
+            manifest = parse_manifest((entry / MANIFEST_NAME).read_bytes(), digest)
+            for item in manifest.files:
+                st = os.lstat(entry / item.path)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != item.bytes:
+                    raise ArtifactRejected("size", f"cached {item.path!r} changed")
+            if recheck == "digests":
+                self._run_parallel(
+                    manifest.files, lambda item: self._rehash(entry / item.path, item)
+                )
+        except (OSError, ArtifactRejected):
+            with self._digest_lock(digest):
+                self._set_aside(entry, "corrupt")
+            return None
+        os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
+        return VerifiedArtifact(
+            entry, manifest, digest, cached=True, timings={"verify_s": time.monotonic() - started}
+        )
+
+    @staticmethod
+    def _rehash(path: Path, item: FileEntry) -> None:
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as fh:
+            while chunk := fh.read(CHUNK_BYTES):
+                h.update(chunk)
+        if h.hexdigest() != item.sha256:
+            raise ArtifactRejected("digest", f"cached {item.path!r} does not match its digest")
+
+    def _check_listing(self, source: ArtifactSource, manifest: Manifest) -> None:
+        listing = source.list_entries()
+        if listing is None:
+            return
+        stored: dict[str, int] = {}
+        for entry in listing:
+            if entry.kind == "symlink":
+                raise ArtifactRejected("path", f"{entry.path!r} is a symlink")
+            if entry.kind != "file":
+                raise ArtifactRejected("path", f"{entry.path!r} is not a regular file")
+            stored[entry.path] = entry.size
+        stored.pop(MANIFEST_NAME, None)
+        stored.pop(SIGNATURE_NAME, None)
+        listed = {item.path: item for item in manifest.files}
+        extra = sorted(set(stored) - set(listed))
+        if extra:
+            raise ArtifactRejected("extra", f"files not in the manifest: {', '.join(extra)}")
+        missing = sorted(set(listed) - set(stored))
+        if missing:
+            raise ArtifactRejected("missing", f"listed files absent: {', '.join(missing)}")
+        for path, item in listed.items():
+            if stored[path] != item.bytes:
+                raise ArtifactRejected(
+                    "size", f"{path!r} is {stored[path]} bytes, manifest says {item.bytes}"
+                )
+
+    def _check_limits(self, manifest: Manifest) -> None:
+        lim = self.limits
+        if len(manifest.files) > lim.max_files:
+            raise ArtifactRejected("limits", f"{len(manifest.files)} files (max {lim.max_files})")
+        for item in manifest.files:
+            if item.bytes > lim.max_file_bytes:
+                raise ArtifactRejected(
+                    "limits",
+                    f"{item.path!r} declares {item.bytes} bytes (max {lim.max_file_bytes})",
+                )
+        if manifest.total_bytes > lim.max_total_bytes:
+            raise ArtifactRejected(
+                "limits",
+                f"artifact declares {manifest.total_bytes} bytes (max {lim.max_total_bytes})",
+            )
+        if self.byte_budget is not None and manifest.total_bytes > self.byte_budget:
+            raise ArtifactRejected(
+                "budget",
+                f"artifact is {manifest.total_bytes} bytes, cache budget is {self.byte_budget}",
+            )
+
+    def _download(self, manifest_uri: str, digest: str) -> VerifiedArtifact:
+        started = time.monotonic()
+        source = ArtifactSource(manifest_uri)
+        manifest_bytes = source.read_small(None)
+        if manifest_bytes is None:
+            raise ArtifactRejected("missing", f"no manifest at {manifest_uri}")
+        manifest = parse_manifest(manifest_bytes, digest)
+        signature = source.read_small(SIGNATURE_NAME, limit=4096)
+        try:
+            if self._trust_key is not None:
+                verify_manifest_signature(manifest_bytes, signature, self._trust_key)
+            self._check_limits(manifest)
+            self._check_listing(source, manifest)
+        except ArtifactRejected as exc:
+            exc.artifact_id = manifest.artifact_id
+            raise
+        self.evict(reserve=manifest.total_bytes)
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}.", dir=self.tmp_dir))
+        tmp_fd = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
+        try:
+            self._run_parallel(
+                manifest.files, lambda item: self._copy_verified(source, item, tmp / item.path)
+            )
+            fetched = time.monotonic()
+            self._write_synced(tmp / MANIFEST_NAME, manifest_bytes)
+            if signature is not None:
+                self._write_synced(tmp / SIGNATURE_NAME, signature)
+            marker = {
+                "manifest_sha256": digest,
+                "artifact_id": manifest.artifact_id,
+                "bytes": manifest.total_bytes,
+                "source": manifest_uri,
+                "fetched_at": time.time(),
+            }
+            self._write_synced(tmp / COMPLETE_MARKER_NAME, json.dumps(marker).encode())
+            for directory in sorted({p.parent for p in tmp.rglob("*")}, reverse=True):
+                _fsync_dir(directory)
+            final = self.artifacts_dir / digest
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # Someone published the same digest (e.g. without our lock): one copy wins.
+                shutil.rmtree(tmp, ignore_errors=True)
+                hit = self._open_entry(digest, "sizes")
+                if hit is None:
+                    raise
+                return hit
+            _fsync_dir(self.artifacts_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            os.close(tmp_fd)
+        done = time.monotonic()
+        for item in manifest.files:
+            (final / item.path).chmod(0o444)
+        return VerifiedArtifact(
+            final,
+            manifest,
+            digest,
+            cached=False,
+            timings={"fetch_s": fetched - started, "publish_s": done - fetched},
+        )
+
+    @staticmethod
+    def _run_parallel(items: list[FileEntry], work: object) -> None:
+        """Run ``work`` per file; hashing and I/O release the GIL, so files overlap."""
+        assert callable(work)
+        if len(items) == 1:
+            work(items[0])
+            return
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_FILES, len(items))) as pool:
+            futures = [pool.submit(work, item) for item in items]
+            for future in futures:
+                future.result()
+
+    @staticmethod
+    def _write_synced(path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _copy_verified(source: ArtifactSource, item: FileEntry, dest: Path) -> None:
+        """Stream one file into ``dest`` while hashing; the write of chunk i overlaps the read
+        and hash of chunk i+1 (two buffers, one writer thread)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        total = 0
+        buffers = (bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES))
+        pending: Future[None] | None = None
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with source.open(item.path) as src, ThreadPoolExecutor(max_workers=1) as writer:
+                index = 0
+                while True:
+                    buf = buffers[index % 2]
+                    if hasattr(src, "readinto"):
+                        n = src.readinto(buf)
+                    else:  # pragma: no cover - fsspec files without readinto
+                        data = src.read(CHUNK_BYTES)
+                        n = len(data)
+                        buf[:n] = data
+                    if not n:
+                        break
+                    total += n
+                    if total > item.bytes:
+                        raise ArtifactRejected(
+                            "size", f"{item.path!r} is larger than the {item.bytes} bytes declared"
+                        )
+                    view = memoryview(buf)[:n]
+                    digest.update(view)
+                    if pending is not None:
+                        pending.result()
+                    pending = writer.submit(_write_all, out, view)
+                    index += 1
+                if pending is not None:
+                    pending.result()
+            if total != item.bytes:
+                raise ArtifactRejected(
+                    "size", f"{item.path!r} is {total} bytes, manifest says {item.bytes}"
+                )
+            if digest.hexdigest() != item.sha256:
+                raise ArtifactRejected(
+                    "digest",
+                    f"{item.path!r} has sha256 {digest.hexdigest()}, manifest says {item.sha256}",
+                )
+            os.fsync(out)
+        finally:
+            os.close(out)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

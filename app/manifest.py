@@ -1,0 +1,171 @@
+"""The artifact manifest: what an immutable model artifact is made of.
+
+Pure module (no Ray, no database, no I/O beyond what callers hand in). The manifest is the
+unit of trust: its SHA-256, over the bytes exactly as stored, is pinned by the registry, and
+every file it lists is checked for size and digest before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import unicodedata
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.errors import ArtifactRejected
+
+MANIFEST_NAME: Final = "manifest.json"
+SIGNATURE_NAME: Final = "manifest.json.sig"
+# Written by the verified cache next to the files; no artifact may ship a file of that name.
+COMPLETE_MARKER_NAME: Final = ".complete.json"
+RESERVED_NAMES: Final = frozenset({MANIFEST_NAME, SIGNATURE_NAME, COMPLETE_MARKER_NAME})
+MANIFEST_SCHEMA_VERSION: Final = 1
+# A manifest is a small JSON document; anything bigger is not one.
+MAX_MANIFEST_BYTES: Final = 1 << 20
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in _HEX for c in value)
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str = Field(min_length=1, max_length=255)
+    sha256: str
+    bytes: int = Field(ge=0)
+
+    @field_validator("sha256")
+    @classmethod
+    def _lower_hex(cls, value: str) -> str:
+        if not is_sha256_hex(value):
+            raise ValueError("must be 64 lowercase hex characters")
+        return value
+
+
+class Architecture(BaseModel):
+    """Names an architecture the *service* knows how to build; params are its hyper-parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: int = Field(ge=1)
+    params: dict[str, int | float | str | bool] = Field(default_factory=dict)
+
+
+class Manifest(BaseModel):
+    """Runtime, precision, architecture and feature schema are free strings here on purpose:
+    an unknown value is a compatibility rejection (category ``runtime``/``schema``) decided by
+    the loader, not a parse error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    model: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    artifact_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    runtime: str
+    architecture: Architecture
+    feature_schema: str
+    precision: str
+    files: list[FileEntry] = Field(min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def file(self, path: str) -> FileEntry:
+        for entry in self.files:
+            if entry.path == path:
+                return entry
+        raise KeyError(path)
+
+    def to_bytes(self) -> bytes:
+        """Canonical serialisation used when packing (sorted keys, 2-space indent)."""
+        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
+
+
+def check_relative_path(path: str) -> str:
+    """Return the path if it is a safe, normalised, relative POSIX path; else reject (``path``)."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        raise ArtifactRejected("path", f"control character in file path {path!r}")
+    if "\\" in path:
+        raise ArtifactRejected("path", f"backslash in file path {path!r}")
+    if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
+        raise ArtifactRejected("path", f"absolute file path {path!r}")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ArtifactRejected("path", f"file path {path!r} is not normalised (empty, '.' or '..')")
+    if posixpath.normpath(path) != path:
+        raise ArtifactRejected("path", f"file path {path!r} is not normalised")
+    if path in RESERVED_NAMES:
+        raise ArtifactRejected("path", f"file path {path!r} is reserved")
+    return path
+
+
+def _path_key(path: str) -> str:
+    # Two entries that name one file on a case-insensitive or normalising filesystem are
+    # duplicates too.
+    return unicodedata.normalize("NFC", path).casefold()
+
+
+def check_file_paths(manifest: Manifest) -> None:
+    seen: dict[str, str] = {}
+    for entry in manifest.files:
+        check_relative_path(entry.path)
+        key = _path_key(entry.path)
+        if key in seen:
+            raise ArtifactRejected(
+                "path", f"duplicate file path {entry.path!r} (same as {seen[key]!r})"
+            )
+        seen[key] = entry.path
+    # A file may not also be a directory of another ("a" and "a/b").
+    keys = set(seen)
+    for key in keys:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in keys:
+                raise ArtifactRejected("path", f"file path {seen[key]!r} nests under a file")
+
+
+def parse_manifest(data: bytes, expected_sha256: str | None = None) -> Manifest:
+    """Check the pinned digest, then parse and check the manifest's own rules.
+
+    Raises ArtifactRejected: ``manifest_digest`` (pinned digest differs), ``limits`` (too big),
+    ``schema`` (not a manifest), ``path`` (unsafe file path).
+    """
+    if expected_sha256 is not None:
+        actual = sha256_hex(data)
+        if actual != expected_sha256.lower():
+            raise ArtifactRejected(
+                "manifest_digest",
+                f"manifest sha256 is {actual}, expected {expected_sha256.lower()}",
+            )
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArtifactRejected(
+            "limits", f"manifest is {len(data)} bytes (max {MAX_MANIFEST_BYTES})"
+        )
+    try:
+        manifest = Manifest.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ArtifactRejected("schema", f"not a valid manifest: {where}: {first['msg']}") from exc
+    if manifest.schema_version != MANIFEST_SCHEMA_VERSION:
+        raise ArtifactRejected(
+            "schema",
+            f"manifest schema_version {manifest.schema_version} is not supported "
+            f"(this service reads {MANIFEST_SCHEMA_VERSION})",
+            artifact_id=manifest.artifact_id,
+        )
+    check_file_paths(manifest)
+    return manifest

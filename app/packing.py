@@ -1,0 +1,175 @@
+"""Packing a directory of model files into an immutable artifact with a manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from pydantic import ValidationError
+
+from app.artifact_store import manifest_uri_for
+from app.errors import ArtifactRejected, ConfigError
+from app.manifest import (
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    Architecture,
+    FileEntry,
+    Manifest,
+    check_file_paths,
+    sha256_hex,
+)
+from app.signing import sign_manifest
+
+# Files of the source directory that describe the artifact rather than belong to it.
+ARCHITECTURE_FILE: Final = "architecture.json"
+METADATA_FILE: Final = "metadata.json"
+_COPY_CHUNK: Final = 8 << 20
+
+
+@dataclass(frozen=True)
+class PackResult:
+    artifact_id: str
+    out_dir: Path
+    manifest_uri: str
+    manifest_sha256: str
+
+    def as_json(self) -> dict[str, str]:
+        return {
+            "artifact_id": self.artifact_id,
+            "manifest_uri": self.manifest_uri,
+            "manifest_sha256": self.manifest_sha256,
+        }
+
+
+def _source_files(src_dir: Path) -> list[str]:
+    found: list[str] = []
+    for root, dirs, files in os.walk(src_dir, followlinks=False):
+        for name in list(dirs) + files:
+            full = Path(root) / name
+            rel = full.relative_to(src_dir).as_posix()
+            mode = full.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise ArtifactRejected(
+                    "path", f"source {rel!r} is a symlink; pack copies files only"
+                )
+            if name in dirs:
+                continue
+            if not stat.S_ISREG(mode):
+                raise ArtifactRejected("path", f"source {rel!r} is not a regular file")
+            found.append(rel)
+    return sorted(found)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what}: {path} is not valid JSON ({exc})") from exc
+
+
+def _copy_hashing(src: Path, dest: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as fin, open(dest, "xb") as fout:
+        while chunk := fin.read(_COPY_CHUNK):
+            h.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return h.hexdigest(), size
+
+
+def pack_artifact(
+    src_dir: Path,
+    out_dir: Path,
+    *,
+    model: str,
+    artifact_id: str,
+    feature_schema: str,
+    runtime: str = "safetensors",
+    precision: str = "fp32",
+    architecture: Architecture | None = None,
+    metadata: dict[str, Any] | None = None,
+    sign_key: Path | None = None,
+) -> PackResult:
+    """Copy every regular file of ``src_dir`` into ``out_dir`` and write ``manifest.json``.
+
+    ``architecture.json`` and ``metadata.json`` in ``src_dir`` describe the artifact and are
+    folded into the manifest instead of being copied. ``out_dir`` must not exist or be empty.
+    """
+    src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
+    if not src_dir.is_dir():
+        raise ConfigError(f"SRC_DIR: {src_dir} is not a directory")
+    if out_dir == src_dir or src_dir in out_dir.parents:
+        raise ConfigError(f"--out: {out_dir} must not be inside the source directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--out: {out_dir} exists and is not empty (artifacts are immutable)")
+
+    rels = _source_files(src_dir)
+    if architecture is None:
+        if ARCHITECTURE_FILE not in rels:
+            raise ConfigError(
+                f"architecture: {src_dir} has no {ARCHITECTURE_FILE} and none was given"
+            )
+        try:
+            architecture = Architecture.model_validate(
+                _read_json(src_dir / ARCHITECTURE_FILE, "architecture")
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"architecture: {exc.errors()[0]['msg']}") from exc
+    merged_metadata: dict[str, Any] = {}
+    if METADATA_FILE in rels:
+        loaded = _read_json(src_dir / METADATA_FILE, "metadata")
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"metadata: {METADATA_FILE} must hold a JSON object")
+        merged_metadata.update(loaded)
+    merged_metadata.update(metadata or {})
+    payload = [r for r in rels if r not in (ARCHITECTURE_FILE, METADATA_FILE)]
+    if not payload:
+        raise ConfigError(f"SRC_DIR: {src_dir} holds no model files")
+    if MANIFEST_NAME in payload or SIGNATURE_NAME in payload:
+        raise ConfigError(f"SRC_DIR: {src_dir} already holds a manifest; pack a source tree")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        files = []
+        for rel in payload:
+            digest, size = _copy_hashing(src_dir / rel, out_dir / rel)
+            files.append(FileEntry(path=rel, sha256=digest, bytes=size))
+        try:
+            manifest = Manifest(
+                model=model,
+                artifact_id=artifact_id,
+                runtime=runtime,
+                architecture=architecture,
+                feature_schema=feature_schema,
+                precision=precision,
+                files=files,
+                metadata=merged_metadata,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"{field}: {first['msg']}") from exc
+        check_file_paths(manifest)
+        manifest_bytes = manifest.to_bytes()
+        (out_dir / MANIFEST_NAME).write_bytes(manifest_bytes)
+        if sign_key is not None:
+            (out_dir / SIGNATURE_NAME).write_bytes(sign_manifest(manifest_bytes, sign_key))
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    return PackResult(
+        artifact_id=artifact_id,
+        out_dir=out_dir,
+        manifest_uri=manifest_uri_for(out_dir),
+        manifest_sha256=sha256_hex(manifest_bytes),
+    )

@@ -1,0 +1,84 @@
+"""Detached ed25519 signatures over the manifest bytes.
+
+Why `cryptography` and not OpenSSF model-signing: a manifest already lists every file with its
+SHA-256, so a signature over the manifest bytes covers the whole artifact; model-signing would
+re-hash the files in its own format and its default flows lean on Sigstore's online services.
+`cryptography` is a small, well-kept wheel that works fully offline with a local key.
+
+Keys are PEM files: PKCS#8 private keys, SubjectPublicKeyInfo public keys. The signature file
+(`manifest.json.sig`) holds the base64 of the 64-byte raw signature and a newline.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from app.errors import ArtifactRejected, ConfigError
+
+
+def generate_keypair(private_path: Path, public_path: Path) -> None:
+    key = Ed25519PrivateKey.generate()
+    private_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    private_path.chmod(0o600)
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+
+
+def _load_private(path: Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"sign key {path}: not a readable PEM private key ({exc})") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ConfigError(f"sign key {path}: not an ed25519 key")
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"trust key {path}: not a readable PEM public key ({exc})") from exc
+    if not isinstance(key, Ed25519PublicKey):
+        raise ConfigError(f"trust key {path}: not an ed25519 key")
+    return key
+
+
+def sign_manifest(manifest_bytes: bytes, private_key_path: Path) -> bytes:
+    """Return the contents of the detached signature file."""
+    signature = _load_private(private_key_path).sign(manifest_bytes)
+    return base64.b64encode(signature) + b"\n"
+
+
+def verify_manifest_signature(
+    manifest_bytes: bytes, signature_file: bytes | None, public_key: Ed25519PublicKey
+) -> None:
+    if signature_file is None:
+        raise ArtifactRejected(
+            "signature", "a trust key is configured but the artifact is unsigned"
+        )
+    try:
+        raw = base64.b64decode(signature_file.strip(), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ArtifactRejected("signature", "signature file is not base64") from exc
+    try:
+        public_key.verify(raw, manifest_bytes)
+    except InvalidSignature as exc:
+        raise ArtifactRejected(
+            "signature", "manifest signature does not verify with the trust key"
+        ) from exc
