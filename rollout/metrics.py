@@ -1,0 +1,287 @@
+"""Per-cohort window statistics from Ray's metrics, for the judge.
+
+Two sources give the same output (``analysis.WindowStats``):
+
+- ``RayScrapeSource`` scrapes every node's Prometheus endpoint (nodes discovered through Ray,
+  or given explicitly) and keeps the previous snapshot: a window is the difference of two
+  snapshots. Counter resets (a replica restarted: its series starts again at 0) count the new
+  value as the increase; series of dead replicas stop moving and add nothing.
+- ``PromQLSource`` asks a Prometheus server that scrapes the cluster (``increase`` and
+  bucket sums over the window), for clusters that run one.
+
+The router exports, per answering cohort (app/telemetry.py): a request counter by outcome and an
+end-to-end latency histogram. Quantiles are interpolated from bucket counts the way
+Prometheus' ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from app import telemetry
+from rollout.analysis import CohortStats, WindowStats
+
+COHORTS = ("stable", "canary")
+REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter")
+LATENCY_SERIES = telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram")
+OK_OUTCOME = "ok"
+
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class MetricsUnavailable(Exception):
+    """No endpoint could be read: the window is unknown (inconclusive), not empty."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float
+    values: Mapping[SeriesKey, float]
+
+
+@dataclass
+class CohortCounts:
+    """Increases over one window for one cohort."""
+
+    outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    buckets: dict[float, float] = field(default_factory=lambda: defaultdict(float))
+
+    def to_stats(self) -> CohortStats:
+        requests = round(sum(self.outcomes.values()))
+        errors = {
+            outcome: round(n) for outcome, n in self.outcomes.items() if outcome != OK_OUTCOME
+        }
+        return CohortStats(
+            requests=requests,
+            errors={k: v for k, v in errors.items() if v},
+            p50_ms=quantile_from_buckets(0.5, self.buckets),
+            p99_ms=quantile_from_buckets(0.99, self.buckets),
+        )
+
+
+def quantile_from_buckets(q: float, buckets: Mapping[float, float]) -> float | None:
+    """``histogram_quantile``: linear interpolation inside the bucket holding rank q*count.
+
+    ``buckets`` maps upper bound (``le``, +Inf included) to cumulative count.
+    """
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0 or not math.isinf(bounds[-1]):
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                # Beyond the largest finite bound: report that bound, as Prometheus does.
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def parse_exposition(text: str, wanted: Iterable[str]) -> dict[SeriesKey, float]:
+    """The samples named in ``wanted`` from Prometheus text, keyed by name + full label set."""
+    names = set(wanted)
+    out: dict[SeriesKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+def window_increase(previous: Snapshot, current: Snapshot) -> dict[SeriesKey, float]:
+    """Per-series increase from ``previous`` to ``current``.
+
+    A series whose value went down was reset (a new replica process): its whole current value
+    is the increase. A series first seen in ``current`` started within the window (a new
+    replica): likewise. A series that vanished (a dead node no longer scraped) adds nothing.
+    """
+    increases: dict[SeriesKey, float] = {}
+    for key, value in current.values.items():
+        before = previous.values.get(key)
+        if before is None or value < before:
+            increases[key] = value
+        else:
+            increases[key] = value - before
+    return increases
+
+
+def cohort_window(
+    increases: Mapping[SeriesKey, float], *, application: str | None = None
+) -> dict[str, CohortCounts]:
+    by_cohort: dict[str, CohortCounts] = {c: CohortCounts() for c in COHORTS}
+    for (name, label_items), value in increases.items():
+        labels = dict(label_items)
+        if application is not None and labels.get("application", application) != application:
+            continue
+        cohort = labels.get(telemetry.COHORT)
+        if cohort not in by_cohort:
+            continue
+        counts = by_cohort[cohort]
+        if name == REQUESTS_SERIES:
+            counts.outcomes[labels.get(telemetry.OUTCOME, OK_OUTCOME)] += value
+        elif name == LATENCY_SERIES + "_bucket":
+            counts.buckets[float(labels["le"])] += value
+    return by_cohort
+
+
+def to_window(counts: Mapping[str, CohortCounts], start: float, end: float) -> WindowStats:
+    def stats(cohort: str) -> CohortStats | None:
+        c = counts.get(cohort)
+        if c is None or not c.outcomes:
+            return None
+        return c.to_stats()
+
+    return WindowStats(start=start, end=end, canary=stats("canary"), stable=stats("stable"))
+
+
+class WindowSource(Protocol):
+    def window(self) -> WindowStats:
+        """Stats since the previous call (the first call opens the first window)."""
+        ...
+
+
+def ray_metrics_endpoints() -> list[str]:
+    """Every alive node's metrics endpoint, from Ray's node table (call inside Ray)."""
+    import ray
+
+    endpoints = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if node.get("Alive") and port:
+            endpoints.append(f"http://{node['NodeManagerAddress']}:{port}/metrics")
+    return endpoints
+
+
+class RayScrapeSource:
+    """Scrapes Ray's per-node Prometheus endpoints directly."""
+
+    def __init__(
+        self,
+        endpoints: Callable[[], Sequence[str]] = ray_metrics_endpoints,
+        *,
+        application: str | None = None,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._endpoints = endpoints
+        self._application = application
+        self._clock = clock
+        self._client = httpx.Client(timeout=timeout_s)
+        self._previous: Snapshot | None = None
+        self.last_errors: list[str] = []
+
+    def snapshot(self) -> Snapshot:
+        wanted = (REQUESTS_SERIES, LATENCY_SERIES + "_bucket")
+        values: dict[SeriesKey, float] = {}
+        errors = []
+        endpoints = list(self._endpoints())
+        for url in endpoints:
+            try:
+                response = self._client.get(url)
+                response.raise_for_status()
+            except httpx.HTTPError as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            for (name, labels), value in parse_exposition(response.text, wanted).items():
+                # One node's series are told apart from another's by the endpoint.
+                values[(name, (*labels, ("_endpoint", url)))] = value
+        self.last_errors = errors
+        if endpoints and len(errors) == len(endpoints):
+            raise MetricsUnavailable("; ".join(errors))
+        return Snapshot(self._clock(), values)
+
+    def window(self) -> WindowStats:
+        current = self.snapshot()
+        previous = self._previous
+        self._previous = current
+        if previous is None:
+            return WindowStats(current.taken_at, current.taken_at, None, None)
+        counts = cohort_window(window_increase(previous, current), application=self._application)
+        return to_window(counts, previous.taken_at, current.taken_at)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class PromQLSource:
+    """Asks a Prometheus server for the same window stats."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        application: str | None = None,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._base = base_url.rstrip("/")
+        self._application = application
+        self._clock = clock
+        self._client = httpx.Client(timeout=timeout_s)
+        self._previous_end: float | None = None
+
+    def _selector(self) -> str:
+        return f'{{application="{self._application}"}}' if self._application else ""
+
+    def query(self, promql: str, at: float) -> list[dict]:
+        try:
+            response = self._client.get(
+                f"{self._base}/api/v1/query", params={"query": promql, "time": at}
+            )
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise MetricsUnavailable(f"{self._base}: {exc}") from exc
+        body = response.json()
+        if body.get("status") != "success":
+            raise MetricsUnavailable(f"{self._base}: {body.get('error', body)}")
+        return body["data"]["result"]
+
+    def window_between(self, start: float, end: float) -> WindowStats:
+        span = max(1, round(end - start))
+        sel = self._selector()
+        counts: dict[str, CohortCounts] = {c: CohortCounts() for c in COHORTS}
+        requests = self.query(
+            f"sum by (cohort, outcome) (increase({REQUESTS_SERIES}{sel}[{span}s]))", end
+        )
+        for row in requests:
+            cohort = row["metric"].get("cohort")
+            if cohort in counts:
+                counts[cohort].outcomes[row["metric"].get("outcome", OK_OUTCOME)] += float(
+                    row["value"][1]
+                )
+        buckets = self.query(
+            f"sum by (cohort, le) (increase({LATENCY_SERIES}_bucket{sel}[{span}s]))", end
+        )
+        for row in buckets:
+            cohort = row["metric"].get("cohort")
+            if cohort in counts:
+                counts[cohort].buckets[float(row["metric"]["le"])] += float(row["value"][1])
+        return to_window(counts, start, end)
+
+    def window(self) -> WindowStats:
+        end = self._clock()
+        start, self._previous_end = self._previous_end, end
+        if start is None:
+            return WindowStats(end, end, None, None)
+        return self.window_between(start, end)
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,149 @@
+"""The metrics reader: window increases, counter resets, quantiles, a real scrape of
+Prometheus text written by prometheus_client."""
+
+from __future__ import annotations
+
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from app import telemetry
+from rollout.metrics import (
+    REQUESTS_SERIES,
+    MetricsUnavailable,
+    RayScrapeSource,
+    Snapshot,
+    quantile_from_buckets,
+    window_increase,
+)
+
+INF = math.inf
+
+
+def test_quantile_interpolates_inside_the_bucket():
+    # 100 observations: 50 in (0, 10], 40 in (10, 20], 10 in (20, 50]
+    buckets = {10.0: 50, 20.0: 90, 50.0: 100, INF: 100}
+    assert quantile_from_buckets(0.5, buckets) == pytest.approx(10.0)
+    assert quantile_from_buckets(0.7, buckets) == pytest.approx(15.0)
+    assert quantile_from_buckets(0.99, buckets) == pytest.approx(20 + 30 * 0.9)
+
+
+def test_quantile_beyond_last_finite_bucket_and_empty():
+    assert quantile_from_buckets(0.99, {10.0: 1, INF: 100}) == 10.0
+    assert quantile_from_buckets(0.99, {10.0: 0, INF: 0}) is None
+    assert quantile_from_buckets(0.99, {}) is None
+
+
+def key(name, **labels):
+    return (name, tuple(sorted(labels.items())))
+
+
+def test_window_increase_handles_resets_new_and_vanished_series():
+    a, b, c = key("x", replica="a"), key("x", replica="b"), key("x", replica="c")
+    before = Snapshot(0, {a: 100, b: 50, c: 7})
+    after = Snapshot(10, {a: 130, b: 4, key("x", replica="d"): 3})  # b restarted, c died
+    inc = window_increase(before, after)
+    assert inc[a] == 30
+    assert inc[b] == 4  # reset: the new process counted 4 since it started
+    assert inc[key("x", replica="d")] == 3
+    assert c not in inc
+
+
+class Exporter:
+    """A real Prometheus endpoint with the router's metric names (as Ray exports them)."""
+
+    def __init__(self) -> None:
+        self.reset()
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = generate_latest(exporter.registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def reset(self) -> None:
+        """A restarted router replica: every series starts again at zero."""
+        self.registry = CollectorRegistry()
+        labels = ["application", "deployment", "replica", "cohort", "outcome"]
+        self.requests = Counter(
+            "ray_" + telemetry.ROUTER_REQUESTS, "", labels, registry=self.registry
+        )
+        self.latency = Histogram(
+            "ray_" + telemetry.ROUTER_LATENCY_MS,
+            "",
+            labels,
+            buckets=telemetry.LATENCY_BOUNDARIES_MS,
+            registry=self.registry,
+        )
+
+    def serve(self, cohort: str, latency_ms: float, n: int, outcome: str = "ok") -> None:
+        labels = ("ranker", "router", "r1", cohort, outcome)
+        self.requests.labels(*labels).inc(n)
+        for _ in range(n):
+            self.latency.labels(*labels).observe(latency_ms)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def exporter():
+    e = Exporter()
+    yield e
+    e.close()
+
+
+def test_scrape_source_reports_per_cohort_windows(exporter):
+    clock = iter(range(0, 1000, 10))
+    source = RayScrapeSource(
+        lambda: [exporter.url], application="ranker", clock=lambda: next(clock)
+    )
+    exporter.serve("stable", 12, 500)  # before the first window: not counted
+    first = source.window()
+    assert first.canary is None and first.stable is None
+
+    exporter.serve("stable", 12, 190)
+    exporter.serve("canary", 40, 95)
+    exporter.serve("canary", 40, 5, outcome="error")
+    w = source.window()
+    assert (w.start, w.end) == (0, 10)
+    assert w.stable.requests == 190 and w.stable.error_count == 0
+    assert w.canary.requests == 100 and w.canary.errors == {"error": 5}
+    assert 10 < w.stable.p99_ms <= 15  # 12 ms lies in the (10, 15] bucket
+    assert 30 < w.canary.p99_ms <= 40
+
+    # The router restarts: counters begin again at zero; the window still counts right.
+    exporter.reset()
+    exporter.serve("canary", 40, 7)
+    w = source.window()
+    assert w.canary.requests == 7
+    assert w.stable is None  # no stable series moved... and none exists after the reset
+
+
+def test_scrape_source_with_every_endpoint_down_is_unavailable_not_empty():
+    source = RayScrapeSource(lambda: ["http://127.0.0.1:9/metrics"], timeout_s=0.5)
+    with pytest.raises(MetricsUnavailable):
+        source.window()
+
+
+def test_series_of_other_applications_are_ignored(exporter):
+    source = RayScrapeSource(lambda: [exporter.url], application="other")
+    source.window()
+    exporter.serve("canary", 5, 10)
+    w = source.window()
+    assert w.canary is None
+    assert REQUESTS_SERIES.endswith("_total")
