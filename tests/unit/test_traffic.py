@@ -1,0 +1,107 @@
+"""The traffic generator against a real local HTTP server answering like the router."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rollout.traffic import (
+    RequestRecord,
+    TrafficRun,
+    TrafficSpec,
+    check_loopback,
+    cohort_share,
+    plot_timeline,
+    summarize,
+    switches_per_user,
+)
+
+
+@pytest.fixture
+def fake_router():
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen.append(body)
+            cohort = "canary" if body["user_id"].endswith("7") else "stable"
+            status = 503 if body["user_id"] == "user-13" else 200
+            payload = json.dumps(
+                {
+                    "ranking": [{"id": c["id"], "score": 0.5} for c in body["candidates"][:3]],
+                    "model": {"artifact_id": f"a-{cohort}", "revision": 1, "cohort": cohort},
+                }
+            ).encode()
+            self.send_response(status)
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_closed_loop_is_bounded_by_count_and_records_every_request(fake_router):
+    url, seen = fake_router
+    run = TrafficRun(TrafficSpec(url=url, rate=None, concurrency=4, max_requests=120, users=50))
+    records = run.start().join(timeout=60)
+    assert len(records) == 120 == len(seen)
+    body = seen[0]
+    assert len(body["candidates"]) == 20 and len(body["candidates"][0]["features"]) == 80
+    summary = summarize(records)
+    assert summary.requests == 120
+    assert summary.non_2xx == sum(1 for r in records if r.user == "user-13")
+    assert set(summary.by_cohort) <= {"stable", "canary"}
+
+
+def test_open_loop_is_bounded_by_time(fake_router):
+    url, _ = fake_router
+    run = TrafficRun(TrafficSpec(url=url, rate=40, max_requests=10_000, max_seconds=1.0))
+    records = run.start().join(timeout=30)
+    assert 20 <= len(records) <= 45
+    starts = sorted(r.start_s for r in records)
+    assert starts[-1] < 1.5
+
+
+@pytest.mark.parametrize(
+    "url", ["http://10.0.0.1:8000", "http://example.com", "http://192.168.1.2"]
+)
+def test_only_loopback_targets(url):
+    with pytest.raises(ValueError, match="loopback"):
+        check_loopback(url)
+
+
+def test_shares_and_switches():
+    recs = [
+        RequestRecord(0.1, 1, 200, "u1", "stable"),
+        RequestRecord(0.2, 1, 200, "u1", "canary"),
+        RequestRecord(0.3, 1, 200, "u1", "canary"),
+        RequestRecord(0.4, 1, 200, "u2", "stable"),
+        RequestRecord(0.5, 1, 200, "u2", "canary", failover=True),
+        RequestRecord(1.5, 1, 200, "u1", "stable"),
+    ]
+    assert cohort_share(recs, 0, 1) == {"stable": 0.4, "canary": 0.6}
+    assert switches_per_user(recs) == {"u1": ["stable", "canary", "stable"], "u2": ["stable"]}
+
+
+def test_timeline_picture_is_written(tmp_path):
+    recs = [
+        RequestRecord(i * 0.1, 5 + i % 3, 200, f"u{i}", "stable" if i % 4 else "canary")
+        for i in range(50)
+    ]
+    recs.append(RequestRecord(2.0, 30, 503, "u9", error="draining"))
+    out = plot_timeline(recs, tmp_path / "t.png", weights=[(0, 0), (1, 25)], phases=[(1, "step 1")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
