@@ -1,0 +1,246 @@
+"""The judge: one analysis window of canary and stable statistics in, a verdict out.
+
+Pure module: plain dataclasses, no clock, no I/O. The metrics reader (rollout/metrics.py)
+produces ``WindowStats`` for a window; the state machine calls ``judge`` and decides what a
+verdict means for the rollout (hold, count a failure, advance).
+
+Rules:
+- A cohort that served fewer than ``min_requests`` in the window makes the window
+  inconclusive; so does a missing cohort. The stable cohort is only needed when a relative
+  check is enabled and the baseline is expected to carry traffic. Too little data is never a
+  failure.
+- A check whose input is missing (no latency recorded) is inconclusive, not failed.
+- Verdict: fail if any check failed, else inconclusive if any check was inconclusive, else pass.
+- ``errors`` counts failed answers by outcome (e.g. ``error``, ``timeout``, ``unavailable``).
+  Client mistakes (422) are not failures of the model and must not be passed in as errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rollout.plan import AnalysisChecks
+
+
+class Outcome(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    SKIPPED = "skipped"  # a check that does not apply to this window (no baseline traffic)
+
+
+@dataclass(frozen=True)
+class CohortStats:
+    """One cohort's traffic in one window. Latencies are end-to-end, in milliseconds."""
+
+    requests: int
+    errors: Mapping[str, int] = field(default_factory=dict)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests < 0 or any(count < 0 for count in self.errors.values()):
+            raise ValueError("request and error counts are never negative")
+        if self.error_count > self.requests:
+            raise ValueError(f"{self.error_count} errors out of {self.requests} requests")
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.error_count / self.requests if self.requests else None
+
+    def describe_errors(self) -> str:
+        if not self.error_count:
+            return "no errors"
+        by_outcome = ", ".join(f"{name}={n}" for name, n in sorted(self.errors.items()) if n)
+        return f"{self.error_count} errors ({by_outcome})"
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Both cohorts over the same window ``[start, end)`` (seconds, the controller's clock).
+    A cohort is None when the metrics source has no series for it at all."""
+
+    start: float
+    end: float
+    canary: CohortStats | None
+    stable: CohortStats | None
+
+    @property
+    def duration_s(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    outcome: Outcome
+    reason: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The reasons that decided the outcome (every check's on a pass)."""
+        if self.outcome is Outcome.PASS:
+            return tuple(c.reason for c in self.checks)
+        return tuple(c.reason for c in self.checks if c.outcome is self.outcome)
+
+    def summary(self) -> str:
+        return f"{self.outcome.value}: " + "; ".join(self.reasons)
+
+
+# Names of the checks, as they appear in CheckResult.name.
+SAMPLE_SIZE = "sample_size"
+SUCCESS_RATE = "success_rate"
+P99_CEILING = "p99_ceiling"
+ERROR_RATE_VS_STABLE = "error_rate_vs_stable"
+P99_VS_STABLE = "p99_vs_stable"
+
+
+def _pct(rate: float) -> str:
+    return f"{rate * 100:.2f}%"
+
+
+def _sample_size(
+    cohort_name: str, stats: CohortStats | None, min_requests: int
+) -> CheckResult | None:
+    """None when the cohort has enough requests; otherwise the inconclusive result."""
+    if stats is None:
+        return CheckResult(
+            SAMPLE_SIZE, Outcome.INCONCLUSIVE, f"no metrics for the {cohort_name} cohort"
+        )
+    if stats.requests < min_requests:
+        return CheckResult(
+            SAMPLE_SIZE,
+            Outcome.INCONCLUSIVE,
+            f"{cohort_name} served {stats.requests} requests, {min_requests} needed",
+        )
+    return None
+
+
+def _success_rate(canary: CohortStats, floor: float) -> CheckResult:
+    rate = 1 - canary.error_count / canary.requests
+    ok = rate >= floor
+    relation = ">=" if ok else "<"
+    return CheckResult(
+        SUCCESS_RATE,
+        Outcome.PASS if ok else Outcome.FAIL,
+        f"canary success rate {_pct(rate)} {relation} floor {_pct(floor)} "
+        f"({canary.describe_errors()} in {canary.requests})",
+    )
+
+
+def _p99_ceiling(canary: CohortStats, ceiling_ms: float) -> CheckResult:
+    if canary.p99_ms is None:
+        return CheckResult(P99_CEILING, Outcome.INCONCLUSIVE, "no canary latency data")
+    ok = canary.p99_ms <= ceiling_ms
+    return CheckResult(
+        P99_CEILING,
+        Outcome.PASS if ok else Outcome.FAIL,
+        f"canary p99 {canary.p99_ms:.1f} ms {'<=' if ok else '>'} ceiling {ceiling_ms:.1f} ms",
+    )
+
+
+def allowed_error_rate(stable_rate: float, checks: AnalysisChecks) -> float:
+    assert checks.error_rate_max_ratio is not None
+    return max(checks.error_rate_max_ratio * stable_rate, checks.error_rate_floor)
+
+
+def allowed_p99_ms(stable_p99_ms: float, checks: AnalysisChecks) -> float:
+    assert checks.p99_max_ratio is not None
+    return max(checks.p99_max_ratio * stable_p99_ms, stable_p99_ms + checks.p99_slack_ms)
+
+
+def _error_rate_vs_stable(
+    canary: CohortStats, stable: CohortStats, checks: AnalysisChecks
+) -> CheckResult:
+    canary_rate = canary.error_count / canary.requests
+    stable_rate = stable.error_count / stable.requests
+    allowed = allowed_error_rate(stable_rate, checks)
+    ok = canary_rate <= allowed
+    return CheckResult(
+        ERROR_RATE_VS_STABLE,
+        Outcome.PASS if ok else Outcome.FAIL,
+        f"canary error rate {_pct(canary_rate)} {'<=' if ok else '>'} allowed {_pct(allowed)} "
+        f"(stable {_pct(stable_rate)} x {checks.error_rate_max_ratio:g}, "
+        f"floor {_pct(checks.error_rate_floor)})",
+    )
+
+
+def _p99_vs_stable(canary: CohortStats, stable: CohortStats, checks: AnalysisChecks) -> CheckResult:
+    if canary.p99_ms is None or stable.p99_ms is None:
+        missing = "canary" if canary.p99_ms is None else "stable"
+        return CheckResult(P99_VS_STABLE, Outcome.INCONCLUSIVE, f"no {missing} latency data")
+    allowed = allowed_p99_ms(stable.p99_ms, checks)
+    ok = canary.p99_ms <= allowed
+    return CheckResult(
+        P99_VS_STABLE,
+        Outcome.PASS if ok else Outcome.FAIL,
+        f"canary p99 {canary.p99_ms:.1f} ms {'<=' if ok else '>'} allowed {allowed:.1f} ms "
+        f"(stable {stable.p99_ms:.1f} ms x {checks.p99_max_ratio:g}, "
+        f"slack {checks.p99_slack_ms:g} ms)",
+    )
+
+
+def _combine(results: list[CheckResult]) -> Verdict:
+    outcomes = {r.outcome for r in results}
+    if Outcome.FAIL in outcomes:
+        overall = Outcome.FAIL
+    elif Outcome.INCONCLUSIVE in outcomes:
+        overall = Outcome.INCONCLUSIVE
+    else:
+        overall = Outcome.PASS
+    return Verdict(overall, tuple(results))
+
+
+def judge(
+    window: WindowStats,
+    checks: AnalysisChecks,
+    *,
+    min_requests: int,
+    baseline_expected: bool = True,
+) -> Verdict:
+    """Judge one window. ``baseline_expected`` is False when the stable cohort carries no
+    traffic by design (a step at 100%); relative checks are then skipped, not inconclusive."""
+    relative = checks.needs_baseline and baseline_expected
+    too_little = [
+        result
+        for result in (
+            _sample_size("canary", window.canary, min_requests),
+            _sample_size("stable", window.stable, min_requests) if relative else None,
+        )
+        if result is not None
+    ]
+    if too_little:
+        return Verdict(Outcome.INCONCLUSIVE, tuple(too_little))
+
+    canary = window.canary
+    assert canary is not None  # sample size checked above
+    results: list[CheckResult] = []
+    if checks.success_rate_min is not None:
+        results.append(_success_rate(canary, checks.success_rate_min))
+    if checks.p99_max_ms is not None:
+        results.append(_p99_ceiling(canary, checks.p99_max_ms))
+    relative_checks = [
+        (ERROR_RATE_VS_STABLE, checks.error_rate_max_ratio, _error_rate_vs_stable),
+        (P99_VS_STABLE, checks.p99_max_ratio, _p99_vs_stable),
+    ]
+    for name, limit, check in relative_checks:
+        if limit is None:
+            continue
+        if not relative:
+            results.append(CheckResult(name, Outcome.SKIPPED, "no stable traffic to compare with"))
+            continue
+        assert window.stable is not None  # sample size checked above
+        results.append(check(canary, window.stable, checks))
+    return _combine(results)

@@ -1,0 +1,677 @@
+"""The rollout state machine: ``advance(state, observations, now) -> (state, actions)``.
+
+Pure: no clock, no Ray, no registry, no I/O. The controller actor owns the timer; on each tick
+it gathers ``Observations`` (replica reports, the router's live weights, the latest metrics
+window, operator commands, the memory budget), calls ``advance``, carries out the returned
+actions in order, and persists the new state. Tests call ``advance`` directly, one call per
+tick, with a fake ``now``.
+
+Phases (see ``rollout.state.Phase``)::
+
+    pending -> preparing -> progressing(step 0..n-1) -> promoting -> finalising -> succeeded
+                  |              |    ^                     |
+                  |            paused (gates, operator)     |
+                  +--------------+----------+---------------+--> rolled_back | failed | aborted
+
+Invariants:
+- Every exit other than success (rollback, failure, abort) emits ``SetWeights`` to stable 100%
+  as its FIRST action, before any target change or bookkeeping. The canary pool is only
+  cleaned up (scaled to idle, target cleared) once the router is observed at stable 100%.
+- Capacity before traffic: the canary pool is scaled for a step's weight and its replicas
+  report the candidate ready before the router is given that weight.
+- Windows are judged only while the router is observed applying the current weights, only
+  from that moment on, and never twice (a window must start at or after the end of the last
+  judged one). A window under ``min_requests`` is inconclusive: the rollout holds, and only
+  the progress deadline bounds holding.
+- Consecutive failed windows reaching ``plan.threshold`` roll back; a passing window resets the
+  count and completes the step.
+- Actions are declarative (desired values, not deltas) and ``advance`` is deterministic, so a
+  controller that crashes after acting but before persisting re-runs ``advance`` from the old
+  state and repeats the same actions harmlessly; re-running it on the new state with the same
+  observations emits nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+from rollout.analysis import Outcome, Verdict, WindowStats, judge
+from rollout.state import (
+    GATE_OPERATOR,
+    GATE_PROMOTION,
+    VERDICT_HISTORY,
+    Phase,
+    RolloutInProgress,
+    RolloutState,
+    VerdictRecord,
+    Weights,
+    gated_step,
+    step_gate,
+)
+
+# --------------------------------------------------------------------------- observations
+
+
+class ReplicaState(StrEnum):
+    IDLE = "idle"  # no target
+    LOADING = "loading"  # working on its desired target (may still serve an older model)
+    READY = "ready"  # serving its desired target
+    FAILED = "failed"  # its desired target failed to load; it keeps serving what it had
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one replica last reported about itself."""
+
+    replica_id: str
+    desired_artifact_id: str | None
+    actual_artifact_id: str | None
+    state: ReplicaState
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One deployment's replicas. ``expected`` is the replica count Serve is configured for."""
+
+    replicas: tuple[ReplicaReport, ...] = ()
+    expected: int = 0
+
+    def ready_on(self, artifact_id: str) -> int:
+        return sum(
+            1
+            for r in self.replicas
+            if r.state is ReplicaState.READY
+            and r.desired_artifact_id == artifact_id
+            and r.actual_artifact_id == artifact_id
+        )
+
+    def all_ready_on(self, artifact_id: str, at_least: int = 1) -> bool:
+        return self.ready_on(artifact_id) >= max(at_least, self.expected, 1)
+
+    def failures_on(self, artifact_id: str) -> list[ReplicaReport]:
+        return [
+            r
+            for r in self.replicas
+            if r.state is ReplicaState.FAILED and r.desired_artifact_id == artifact_id
+        ]
+
+
+@dataclass(frozen=True)
+class Pause:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Skip the remaining steps (and gates) and promote now."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str = "aborted by operator"
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The fast path: weights to stable first, no analysis."""
+
+    reason: str = "rollback requested by operator"
+
+
+OperatorCommand = Pause | Resume | Promote | Abort | Rollback
+
+
+@dataclass(frozen=True)
+class Observations:
+    """The world as the controller saw it just before this tick.
+
+    - ``router_weights``: the weights the router currently applies (None: unknown).
+    - ``window``: the latest metrics window; ignored unless it is a fresh, full window of the
+      current weights (see ``next_window``).
+    - ``commands``: operator commands received since the last tick, in order.
+    - ``in_place_fits``: whether the memory budget allows the stable pool to hold the baseline
+      and the candidate at once (None: unknown, treated as no).
+    """
+
+    canary: PoolView = PoolView()
+    stable: PoolView = PoolView()
+    router_weights: Weights | None = None
+    window: WindowStats | None = None
+    commands: tuple[OperatorCommand, ...] = ()
+    in_place_fits: bool | None = None
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SetCanaryTarget:
+    """Publish the canary pool's target; None clears it (an idle pool holds no model)."""
+
+    artifact_id: str | None
+
+
+@dataclass(frozen=True)
+class SetStableTarget:
+    artifact_id: str
+
+
+@dataclass(frozen=True)
+class SetWeights:
+    stable_bp: int
+    canary_bp: int
+
+    @property
+    def weights(self) -> Weights:
+        return Weights(self.stable_bp, self.canary_bp)
+
+
+@dataclass(frozen=True)
+class ScaleCanary:
+    replicas: int
+
+
+@dataclass(frozen=True)
+class RecordAudit:
+    """An audit row. ``key`` is unique per rollout and stable across replays."""
+
+    key: str
+    event: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Alert:
+    severity: Literal["info", "warning", "critical"]
+    message: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The rollout is over and cleaned up; release the model for the next rollout."""
+
+    phase: Phase
+    reason: str
+
+
+Action = SetCanaryTarget | SetStableTarget | SetWeights | ScaleCanary | RecordAudit | Alert | Finish
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def set_weights(weights: Weights) -> SetWeights:
+    return SetWeights(stable_bp=weights.stable_bp, canary_bp=weights.canary_bp)
+
+
+def step_weights(state: RolloutState, index: int) -> Weights:
+    return Weights.with_canary(state.plan.step_bp(index))
+
+
+def canary_replicas_for(state: RolloutState, canary_bp: int) -> int:
+    return state.plan.canary_scaling.replicas_for(canary_bp / 100)
+
+
+def refuse_if_active(rollouts: Iterable[RolloutState], model: str) -> None:
+    """Raise RolloutInProgress if ``model`` has a rollout that has not finished (cleanup
+    included). The registry enforces the same rule transactionally; this is the state-level
+    check the controller makes before creating a rollout."""
+    for other in rollouts:
+        if other.model == model and other.is_active:
+            raise RolloutInProgress(
+                f"model {model!r} already has rollout {other.rollout_id!r} "
+                f"({other.phase.value}, candidate {other.candidate_artifact_id}); "
+                "abort it or wait for it to finish",
+                model=model,
+                rollout_id=other.rollout_id,
+            )
+
+
+def next_window(state: RolloutState, now: float) -> tuple[float, float] | None:
+    """The window the controller should measure now, or None when none is due: it starts
+    when the router began applying the current weights (or at the end of the last judged
+    window, if later) and must be at least ``interval_s`` long."""
+    if state.phase not in (Phase.PROGRESSING, Phase.PAUSED) or state.weights.canary_bp == 0:
+        return None
+    if state.weights_live_at is None:
+        return None
+    start = state.weights_live_at
+    if state.last_analysis_at is not None:
+        start = max(start, state.last_analysis_at)
+    if now - start < state.plan.interval_s:
+        return None
+    return start, now
+
+
+def _is_fresh(state: RolloutState, window: WindowStats | None) -> bool:
+    if window is None or state.weights_live_at is None or state.weights.canary_bp == 0:
+        return False
+    if window.start < state.weights_live_at:
+        return False  # part of it was measured under other weights
+    if state.last_analysis_at is not None and window.start < state.last_analysis_at:
+        return False  # already judged (a replay) or overlapping the last one
+    return window.duration_s >= state.plan.interval_s
+
+
+# --------------------------------------------------------------------------- the tick
+
+
+class _Tick:
+    """One call of ``advance``: a private copy of the state plus the actions so far."""
+
+    def __init__(self, state: RolloutState, obs: Observations, now: float) -> None:
+        self.s = dataclasses.replace(state, verdicts=list(state.verdicts))
+        self.obs = obs
+        self.now = now
+        self.actions: list[Action] = []
+
+    # ---- small effects -------------------------------------------------------------------
+
+    def emit(self, action: Action) -> None:
+        self.actions.append(action)
+
+    def audit(self, event: str, message: str) -> None:
+        self.s.audit_seq += 1
+        self.emit(RecordAudit(f"{self.s.rollout_id}/{self.s.audit_seq}", event, message))
+
+    def set_weights(self, weights: Weights) -> None:
+        if weights != self.s.weights:
+            self.emit(set_weights(weights))
+            self.s.weights = weights
+            self.s.weights_live_at = None
+
+    def scale_canary(self, replicas: int) -> None:
+        if replicas != self.s.canary_replicas:
+            self.emit(ScaleCanary(replicas))
+            self.s.canary_replicas = replicas
+
+    def enter(self, phase: Phase) -> None:
+        self.s.phase = phase
+        self.s.phase_entered_at = self.now
+
+    def note_router(self) -> None:
+        if self.s.weights_live_at is None and self.obs.router_weights == self.s.weights:
+            self.s.weights_live_at = self.now
+
+    def overdue(self, since: float | None) -> bool:
+        return since is not None and self.now - since > self.s.plan.progress_deadline_s
+
+    def where(self) -> str:
+        if self.s.step_index < 0:
+            return self.s.phase.value
+        return f"step {self.s.step_index} ({self.s.step_percent:g}%)"
+
+    # ---- withdrawal and cleanup ----------------------------------------------------------
+
+    def withdraw(self, phase: Phase, reason: str) -> None:
+        """Every unsuccessful end: stable 100% first, then targets, then bookkeeping."""
+        self.emit(set_weights(Weights.stable_only()))
+        self.s.weights = Weights.stable_only()
+        self.s.weights_live_at = None
+        if self.s.stable_target != self.s.baseline_artifact_id:
+            self.emit(SetStableTarget(self.s.baseline_artifact_id))
+            self.s.stable_target = self.s.baseline_artifact_id
+        self.enter(phase)
+        self.s.reason = reason
+        self.s.pending_gate = None
+        self.audit(phase.value, reason)
+        severity: Literal["warning", "critical"] = (
+            "warning" if phase is Phase.ABORTED else "critical"
+        )
+        self.emit(Alert(severity, f"rollout {self.s.rollout_id} {phase.value}: {reason}"))
+
+    def cleanup_when_drained(self) -> None:
+        """Scale the canary pool down and clear its target once the router routes nothing
+        to it (observed before this tick's actions), then finish."""
+        if self.s.finished or self.obs.router_weights != Weights.stable_only():
+            return
+        if self.s.weights_live_at is None:
+            self.s.weights_live_at = self.now
+        if self.s.canary_replicas is not None:  # only a pool this rollout scaled
+            self.scale_canary(self.s.plan.canary_scaling.idle_replicas)
+        if self.s.canary_target is not None:
+            self.emit(SetCanaryTarget(None))
+            self.s.canary_target = None
+        reason = self.s.reason or self.s.phase.value
+        self.audit("finished", f"{self.s.phase.value}: {reason}")
+        self.emit(Finish(self.s.phase, reason))
+        self.s.finished = True
+
+    # ---- operator commands ---------------------------------------------------------------
+
+    def command(self, cmd: OperatorCommand) -> None:
+        phase = self.s.phase
+        match cmd:
+            case Abort(reason=reason):
+                self.withdraw(Phase.ABORTED, reason)
+            case Rollback(reason=reason):
+                self.withdraw(Phase.ROLLED_BACK, reason)
+            case Pause(reason=reason) if phase is Phase.PROGRESSING:
+                self.enter(Phase.PAUSED)
+                self.s.pending_gate = GATE_OPERATOR
+                because = f": {reason}" if reason else ""
+                self.audit("paused", f"paused by operator at {self.where()}{because}")
+            case Pause() if phase is Phase.PAUSED:
+                pass  # already paused: a repeated pause changes nothing
+            case Resume() if phase is Phase.PAUSED:
+                self.resume()
+            case Promote() if phase in (Phase.PROGRESSING, Phase.PAUSED):
+                self.audit("promote", f"promotion requested by operator at {self.where()}")
+                self.start_promotion()
+            case _:
+                name = type(cmd).__name__.lower()
+                self.audit("command_ignored", f"{name} ignored: rollout is {phase.value}")
+
+    def resume(self) -> None:
+        gate = self.s.pending_gate
+        self.s.pending_gate = None
+        self.audit("resumed", f"resumed at {self.where()} (gate {gate})")
+        if gate == GATE_PROMOTION:
+            self.start_promotion()
+            return
+        step = gated_step(gate)
+        if step is not None:
+            self.enter_step(step)
+            return
+        # An operator pause: back to the same step, with a fresh deadline.
+        self.enter(Phase.PROGRESSING)
+        self.s.step_entered_at = self.now
+
+    # ---- phases --------------------------------------------------------------------------
+
+    def pending(self) -> None:
+        s = self.s
+        self.enter(Phase.PREPARING)
+        self.audit(
+            "started",
+            f"rolling out {s.candidate_artifact_id} over {s.baseline_artifact_id} "
+            f"for {s.model}, steps {list(s.plan.steps)}",
+        )
+        self.emit(SetCanaryTarget(s.candidate_artifact_id))
+        s.canary_target = s.candidate_artifact_id
+        self.scale_canary(canary_replicas_for(s, 0))
+
+    def preparing(self) -> None:
+        s = self.s
+        failures = self.obs.canary.failures_on(s.candidate_artifact_id)
+        if failures:
+            first = failures[0]
+            self.withdraw(
+                Phase.FAILED,
+                f"candidate {s.candidate_artifact_id} failed to load on canary replica "
+                f"{first.replica_id}: {first.error or 'no error given'}",
+            )
+            return
+        if self.obs.canary.all_ready_on(s.candidate_artifact_id, at_least=s.canary_replicas or 1):
+            self.audit("canary_ready", f"every canary replica serves {s.candidate_artifact_id}")
+            self.after_step(-1)
+            return
+        if self.overdue(s.phase_entered_at):
+            ready = self.obs.canary.ready_on(s.candidate_artifact_id)
+            self.withdraw(
+                Phase.FAILED,
+                f"canary not ready within the progress deadline "
+                f"({s.plan.progress_deadline_s:g}s): {ready} of {s.canary_replicas} replicas "
+                f"serve {s.candidate_artifact_id}",
+            )
+
+    def after_step(self, index: int) -> None:
+        """Step ``index`` is done (-1: preparation): next step, a gate, or promotion."""
+        plan = self.s.plan
+        following = index + 1
+        if following < len(plan.steps):
+            if plan.gate_before_step(following):
+                self.pause_at_gate(step_gate(following), f"before step {following}")
+            else:
+                self.enter_step(following)
+        elif plan.gates.pause_before_promotion:
+            self.pause_at_gate(GATE_PROMOTION, "before promotion")
+        else:
+            self.start_promotion()
+
+    def pause_at_gate(self, gate: str, where: str) -> None:
+        self.enter(Phase.PAUSED)
+        self.s.pending_gate = gate
+        self.audit("paused", f"paused at the gate {where}; {self.s.weights.describe()}")
+
+    def enter_step(self, index: int) -> None:
+        s = self.s
+        self.enter(Phase.PROGRESSING)
+        s.step_index = index
+        s.step_entered_at = self.now
+        s.inconclusive_windows = 0
+        self.audit("step", f"entering {self.where()}")
+
+    def progressing(self) -> None:
+        s = self.s
+        if self.canary_failed():
+            return
+        wanted = step_weights(s, s.step_index)
+        if s.weights != wanted:
+            self.converge_canary_to(wanted)
+        elif s.weights_live_at is not None:
+            verdict = self.judge_window()
+            if verdict is not None and verdict.outcome is Outcome.PASS:
+                self.after_step(s.step_index)
+                return
+        if s.phase is Phase.PROGRESSING and self.overdue(s.step_entered_at):
+            self.withdraw(
+                Phase.ROLLED_BACK,
+                f"no progress at {self.where()} within the progress deadline "
+                f"({s.plan.progress_deadline_s:g}s): {s.inconclusive_windows} inconclusive "
+                f"windows, {s.failed_checks} failed checks, "
+                f"router {'confirmed' if s.weights_live_at is not None else 'not confirmed'} "
+                f"{s.weights.describe()}",
+            )
+
+    def paused(self) -> None:
+        # Windows are still judged: a failing canary is rolled back even while held.
+        if self.canary_failed():
+            return
+        self.judge_window()
+
+    def converge_canary_to(self, wanted: Weights) -> bool:
+        """Scale the canary pool for ``wanted`` and, once its replicas are ready, set the
+        weights. True when the weights have been set."""
+        s = self.s
+        needed = max(s.canary_replicas or 0, canary_replicas_for(s, wanted.canary_bp))
+        self.scale_canary(needed)
+        if not self.obs.canary.all_ready_on(s.candidate_artifact_id, at_least=needed):
+            return False
+        self.set_weights(wanted)
+        return True
+
+    def canary_failed(self) -> bool:
+        failures = self.obs.canary.failures_on(self.s.candidate_artifact_id)
+        if not failures:
+            return False
+        first = failures[0]
+        self.withdraw(
+            Phase.ROLLED_BACK,
+            f"canary replica {first.replica_id} failed on {self.s.candidate_artifact_id} at "
+            f"{self.where()}: {first.error or 'no error given'}",
+        )
+        return True
+
+    def judge_window(self) -> Verdict | None:
+        s = self.s
+        window = self.obs.window
+        if not _is_fresh(s, window):
+            return None
+        assert window is not None
+        verdict = judge(
+            window,
+            s.plan.checks,
+            min_requests=s.plan.min_requests,
+            baseline_expected=s.weights.stable_bp > 0,
+        )
+        s.last_analysis_at = window.end
+        s.verdicts.append(
+            VerdictRecord(
+                window_end=window.end,
+                step_index=s.step_index,
+                canary_bp=s.weights.canary_bp,
+                outcome=verdict.outcome,
+                reasons=verdict.reasons,
+            )
+        )
+        del s.verdicts[:-VERDICT_HISTORY]
+        self.audit("analysis", f"{self.where()}: {verdict.summary()}")
+        if verdict.outcome is Outcome.PASS:
+            s.failed_checks = 0
+        elif verdict.outcome is Outcome.INCONCLUSIVE:
+            s.inconclusive_windows += 1
+        elif verdict.outcome is Outcome.FAIL:
+            s.failed_checks += 1
+            if s.failed_checks >= s.plan.threshold:
+                self.withdraw(
+                    Phase.ROLLED_BACK,
+                    f"{s.failed_checks} consecutive failed checks (threshold "
+                    f"{s.plan.threshold}) at {self.where()}: " + "; ".join(verdict.reasons),
+                )
+        return verdict
+
+    def start_promotion(self) -> None:
+        s = self.s
+        self.enter(Phase.PROMOTING)
+        s.pending_gate = None
+        strategy = s.plan.promotion
+        if strategy == "in_place" and self.obs.in_place_fits is not True:
+            strategy = "shift"
+            self.audit(
+                "promotion_strategy",
+                "in-place swap not allowed by the memory budget "
+                f"(observed {self.obs.in_place_fits}); promoting by shift",
+            )
+        s.promotion_strategy = strategy
+        self.audit("promoting", f"promoting {s.candidate_artifact_id} by {strategy}")
+
+    def promoting(self) -> None:
+        s = self.s
+        candidate = s.candidate_artifact_id
+        if s.promotion_strategy == "shift":
+            if s.weights != Weights.canary_only():
+                self.converge_canary_to(Weights.canary_only())
+                self.promotion_deadline()
+                return
+            if s.weights_live_at is None:
+                self.promotion_deadline()
+                return
+        if s.stable_target != candidate:
+            self.emit(SetStableTarget(candidate))
+            s.stable_target = candidate
+            return
+        failures = self.obs.stable.failures_on(candidate)
+        if failures:
+            first = failures[0]
+            self.withdraw(
+                Phase.FAILED,
+                f"promotion failed: stable replica {first.replica_id} could not load "
+                f"{candidate}: {first.error or 'no error given'}",
+            )
+            return
+        if self.obs.stable.all_ready_on(candidate):
+            self.enter(Phase.FINALISING)
+            self.audit("finalising", f"every stable replica serves {candidate}")
+            self.set_weights(Weights.stable_only())
+            return
+        self.promotion_deadline()
+
+    def promotion_deadline(self) -> None:
+        s = self.s
+        if self.overdue(s.phase_entered_at):
+            self.withdraw(
+                Phase.FAILED,
+                f"promotion ({s.promotion_strategy}) not complete within the progress deadline "
+                f"({s.plan.progress_deadline_s:g}s): "
+                f"{self.obs.stable.ready_on(s.candidate_artifact_id)} stable replicas serve "
+                f"{s.candidate_artifact_id}; {s.weights.describe()}",
+            )
+
+    def finalising(self) -> None:
+        s = self.s
+        if s.weights_live_at is not None:
+            self.enter(Phase.SUCCEEDED)
+            s.reason = f"{s.candidate_artifact_id} promoted to stable"
+            self.cleanup_when_drained()
+
+    # ---- the tick ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        s = self.s
+        if s.finished:
+            return
+        if not s.phase.is_terminal:
+            for cmd in self.obs.commands:
+                self.command(cmd)
+                if s.phase.is_terminal:
+                    break
+        if not s.phase.is_terminal:
+            self.note_router()
+        handlers = {
+            Phase.PENDING: self.pending,
+            Phase.PREPARING: self.preparing,
+            Phase.PROGRESSING: self.progressing,
+            Phase.PAUSED: self.paused,
+            Phase.PROMOTING: self.promoting,
+            Phase.FINALISING: self.finalising,
+        }
+        # Run to quiescence: a handler that moves the rollout on (ready -> step 0, a passing
+        # window -> next step, last step -> promotion) hands over to the next handler in the
+        # same tick. Each handler runs at most once per position, so this terminates.
+        for _ in range(len(handlers) + len(s.plan.steps) + 1):
+            if s.phase.is_terminal:
+                break
+            position = (s.phase, s.step_index, s.pending_gate)
+            handlers[s.phase]()
+            if (s.phase, s.step_index, s.pending_gate) == position:
+                break
+        if s.phase.is_terminal:
+            self.cleanup_when_drained()
+
+
+def advance(
+    state: RolloutState, observations: Observations, now: float
+) -> tuple[RolloutState, list[Action]]:
+    """One tick: the next state and the actions to carry out, in order. ``state`` is not
+    modified."""
+    tick = _Tick(state, observations, now)
+    tick.run()
+    return tick.s, tick.actions
+
+
+__all__ = [
+    "Abort",
+    "Action",
+    "Alert",
+    "Finish",
+    "Observations",
+    "OperatorCommand",
+    "Pause",
+    "PoolView",
+    "Promote",
+    "RecordAudit",
+    "ReplicaReport",
+    "ReplicaState",
+    "Resume",
+    "Rollback",
+    "ScaleCanary",
+    "SetCanaryTarget",
+    "SetStableTarget",
+    "SetWeights",
+    "advance",
+    "canary_replicas_for",
+    "next_window",
+    "refuse_if_active",
+    "step_weights",
+]

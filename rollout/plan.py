@@ -1,0 +1,242 @@
+"""The rollout plan: how a candidate is brought from 0% to serving everything, declaratively.
+
+Pure module: pydantic models, frozen, with every default in this file (``configs/rollout.yaml``
+mirrors them). Only ``load_plan`` touches the filesystem. A plan is validated when it is built,
+so the state machine never has to second-guess one; an invalid plan is refused with the
+offending field named (``pydantic.ValidationError`` from the constructor, ``ConfigError`` from
+``load_plan`` / ``plan_from_mapping``).
+
+Weights are canary percentages here (what an operator writes); the machine turns them into
+basis points for the router (``percent_to_bp``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from app.errors import ConfigError
+
+BASIS_POINTS: Final = 10_000
+
+# Defaults, in one place. configs/rollout.yaml repeats them and a unit test keeps the two equal.
+DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
+DEFAULT_INTERVAL_S: Final = 60.0
+DEFAULT_MIN_REQUESTS: Final = 100
+DEFAULT_THRESHOLD: Final = 3  # seeds/002: three consecutive failed checks roll back
+DEFAULT_PROGRESS_DEADLINE_S: Final = 600.0
+DEFAULT_SUCCESS_RATE_MIN: Final = 0.98
+DEFAULT_P99_MAX_MS: Final = 250.0
+DEFAULT_ERROR_RATE_MAX_RATIO: Final = 3.0  # seeds/002: 3x the baseline error rate
+DEFAULT_ERROR_RATE_FLOOR: Final = 0.01
+DEFAULT_P99_MAX_RATIO: Final = 1.5  # seeds/002: 1.5x the baseline p99
+DEFAULT_P99_SLACK_MS: Final = 5.0
+
+PromotionStrategy = Literal["shift", "in_place"]
+
+
+def percent_to_bp(percent: float) -> int:
+    """Canary percent -> basis points; plans only hold percents that convert exactly."""
+    return round(percent * 100)
+
+
+class AnalysisChecks(BaseModel):
+    """What a canary window must satisfy. A check set to ``None`` is switched off.
+
+    Relative checks compare the canary with the stable cohort *in the same window*:
+    - error rate: ``canary <= max(error_rate_max_ratio x stable, error_rate_floor)``; the floor
+      keeps one error from being fatal when the baseline happens to have none;
+    - p99: ``canary <= max(p99_max_ratio x stable, stable + p99_slack_ms)``; the slack keeps a
+      millisecond of jitter on a very fast baseline from reading as a 1.5x regression.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    success_rate_min: float | None = Field(default=DEFAULT_SUCCESS_RATE_MIN, gt=0.0, le=1.0)
+    p99_max_ms: float | None = Field(default=DEFAULT_P99_MAX_MS, gt=0.0)
+    error_rate_max_ratio: float | None = Field(default=DEFAULT_ERROR_RATE_MAX_RATIO, ge=1.0)
+    error_rate_floor: float = Field(default=DEFAULT_ERROR_RATE_FLOOR, ge=0.0, le=1.0)
+    p99_max_ratio: float | None = Field(default=DEFAULT_P99_MAX_RATIO, ge=1.0)
+    p99_slack_ms: float = Field(default=DEFAULT_P99_SLACK_MS, ge=0.0)
+
+    @property
+    def needs_baseline(self) -> bool:
+        return self.error_rate_max_ratio is not None or self.p99_max_ratio is not None
+
+    @model_validator(mode="after")
+    def _at_least_one_check(self) -> AnalysisChecks:
+        if all(
+            value is None
+            for value in (
+                self.success_rate_min,
+                self.p99_max_ms,
+                self.error_rate_max_ratio,
+                self.p99_max_ratio,
+            )
+        ):
+            raise ValueError("at least one check must be enabled (all are null)")
+        return self
+
+
+class Gates(BaseModel):
+    """Manual gates: the rollout pauses there until an operator resumes or promotes.
+
+    ``pause_before_steps`` names steps by their canary percent (each must be one of ``steps``);
+    pausing before a step holds the canary at the previous step's weight (0% before the first).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pause_before_promotion: bool = False
+    pause_before_steps: tuple[float, ...] = ()
+
+
+class CanaryScaling(BaseModel):
+    """Canary pool size follows its weight: ``ceil(max_replicas x percent / 100)`` clamped to
+    ``[min_replicas, max_replicas]``. ``idle_replicas`` is the pool size once the rollout ends
+    (its target is cleared, so the pool holds no model)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=2, ge=1)
+    idle_replicas: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> CanaryScaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas: {self.max_replicas} is below min_replicas ({self.min_replicas})"
+            )
+        return self
+
+    def replicas_for(self, percent: float) -> int:
+        wanted = math.ceil(self.max_replicas * percent / 100 - 1e-9)
+        return max(self.min_replicas, min(self.max_replicas, wanted))
+
+
+class RolloutPlan(BaseModel):
+    """How one rollout proceeds (Flagger's ``CanaryAnalysis``, Argo's canary steps).
+
+    - ``steps``: canary weights in percent, strictly increasing, each in (0, 100] and a whole
+      number of basis points. Ending at 100 is allowed but not required: promotion always
+      follows the last step, and a ``shift`` promotion moves the canary to 100% itself. A step
+      at 100% leaves no stable traffic to compare with, so it is judged on the absolute
+      checks only.
+    - ``interval_s``: length of one analysis window; one window is judged per interval.
+    - ``min_requests``: requests each cohort must serve in a window for it to count; fewer is
+      inconclusive (hold), never a failure.
+    - ``threshold``: consecutive failed windows that roll back; a passing window resets the count.
+    - ``progress_deadline_s``: longest time a phase or step may wait for progress (replicas
+      ready, a conclusive passing window, promotion complete); past it the rollout is withdrawn.
+    - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
+      traffic, then traffic returns to stable) or ``in_place`` (stable hot-swaps while serving;
+      used only when the memory budget is observed to allow it, otherwise ``shift``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: tuple[float, ...] = Field(default=DEFAULT_STEPS, min_length=1)
+    interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0.0)
+    min_requests: int = Field(default=DEFAULT_MIN_REQUESTS, ge=1)
+    checks: AnalysisChecks = Field(default_factory=AnalysisChecks)
+    threshold: int = Field(default=DEFAULT_THRESHOLD, ge=1)
+    progress_deadline_s: float = Field(default=DEFAULT_PROGRESS_DEADLINE_S, gt=0.0)
+    promotion: PromotionStrategy = "shift"
+    gates: Gates = Field(default_factory=Gates)
+    canary_scaling: CanaryScaling = Field(default_factory=CanaryScaling)
+
+    @field_validator("steps")
+    @classmethod
+    def _valid_steps(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
+        for index, percent in enumerate(steps):
+            if not 0 < percent <= 100:
+                raise ValueError(f"step {index} is {percent}: each step must be in (0, 100]")
+            if abs(percent * 100 - percent_to_bp(percent)) > 1e-6:
+                raise ValueError(f"step {index} is {percent}: weights are whole basis points")
+            if index and percent <= steps[index - 1]:
+                raise ValueError(
+                    f"step {index} is {percent}: steps must be strictly increasing "
+                    f"(previous {steps[index - 1]})"
+                )
+        return steps
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutPlan:
+        # Messages of this validator start with the field they are about; _field_of reads it.
+        for percent in self.gates.pause_before_steps:
+            if percent not in self.steps:
+                raise ValueError(
+                    f"gates.pause_before_steps: {percent} is not one of steps {list(self.steps)}"
+                )
+        # A deadline shorter than two windows would withdraw a healthy canary whose first
+        # window straddled a weight change.
+        if self.progress_deadline_s < 2 * self.interval_s:
+            raise ValueError(
+                f"progress_deadline_s: {self.progress_deadline_s} must be at least twice "
+                f"interval_s ({self.interval_s})"
+            )
+        return self
+
+    def step_bp(self, index: int) -> int:
+        return percent_to_bp(self.steps[index])
+
+    def gate_before_step(self, index: int) -> bool:
+        return self.steps[index] in self.gates.pause_before_steps
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_.]*): ")
+
+
+def _field_of(exc: ValidationError) -> tuple[str, str]:
+    """The dotted field path and message of the first error. A cross-field (model) validator
+    reports at its model's location, so its message leads with the field it is about."""
+    first = exc.errors()[0]
+    parts = [str(part) for part in first["loc"]]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    leading = _LEADING_FIELD.match(message)
+    if leading:
+        parts.append(leading.group(1))
+        message = message[leading.end() :]
+    return ".".join(parts) or "<root>", message
+
+
+def plan_from_mapping(data: Any, *, source: str = "plan") -> RolloutPlan:
+    """Validate a plan given as plain data (YAML/JSON); ConfigError names the field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a rollout plan is a mapping, got {type(data).__name__}")
+    try:
+        return RolloutPlan.model_validate(data)
+    except ValidationError as exc:
+        where, message = _field_of(exc)
+        raise ConfigError(
+            f"{source}: invalid rollout plan: {where}: {message}", field=where
+        ) from exc
+
+
+def load_plan(path: str | Path) -> RolloutPlan:
+    """Read a plan from a YAML file whose top level holds the plan's fields."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read rollout plan: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return plan_from_mapping(data, source=str(path))

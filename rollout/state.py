@@ -1,0 +1,246 @@
+"""The state of one rollout: what a restarted controller needs to carry on, and nothing more.
+
+Pure module. ``RolloutState`` is a plain dataclass that carries its own plan (as Flagger's
+Canary keeps its spec), round-trips through JSON (``to_dict`` / ``from_dict``) so the
+controller can persist it in the registry after every step and resume from it, and is only
+ever changed by ``rollout.machine.advance``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Final
+
+from app.errors import RolloutSystemError
+from rollout.analysis import Outcome
+from rollout.plan import BASIS_POINTS, RolloutPlan
+
+STATE_SCHEMA_VERSION: Final = 1
+VERDICT_HISTORY: Final = 20  # verdicts kept in the state; the audit log keeps them all
+
+
+class Phase(StrEnum):
+    PENDING = "pending"
+    """Accepted and persisted; nothing in the cluster has been changed yet."""
+
+    PREPARING = "preparing"
+    """The canary pool has been given the candidate as its target and carries no traffic;
+    waiting until every canary replica reports the candidate loaded, verified and ready."""
+
+    PROGRESSING = "progressing"
+    """At ``step_index``: the canary pool is scaled for the step, then the router is given the
+    step's weights, then one analysis window per interval is judged until one passes."""
+
+    PAUSED = "paused"
+    """Held at a manual gate or by an operator's pause; the weights stay where they are and
+    windows are still judged (a failing canary is rolled back even while paused), but nothing
+    advances until ``resume`` or ``promote``. The progress deadline does not run."""
+
+    PROMOTING = "promoting"
+    """The stable pool is moving to the candidate: ``shift`` first puts the canary at 100%
+    then gives stable the candidate with no traffic; ``in_place`` gives stable the candidate
+    while it serves. Ends when every stable replica reports the candidate ready."""
+
+    FINALISING = "finalising"
+    """Stable serves the candidate; traffic is returned to stable 100% and, once the router
+    confirms it, the canary pool is cleared and scaled to its idle size."""
+
+    SUCCEEDED = "succeeded"
+    """Terminal: the candidate is the stable model and carries all traffic."""
+
+    ROLLED_BACK = "rolled_back"
+    """Terminal: the canary had traffic and was withdrawn (failed checks at the threshold, the
+    progress deadline, a canary replica failing, or an operator's rollback); stable serves the
+    baseline."""
+
+    FAILED = "failed"
+    """Terminal: the rollout could not be carried out (the candidate failed to load, replicas
+    never became ready, the stable pool could not take the candidate); stable serves the
+    baseline."""
+
+    ABORTED = "aborted"
+    """Terminal: an operator aborted the rollout; weights went back to stable first."""
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL: Final = frozenset({Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.FAILED, Phase.ABORTED})
+
+
+class RolloutInProgress(RolloutSystemError):
+    """A model already has a rollout that has not finished; a second one is refused."""
+
+    category = "rollout.in_progress"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The router's split in basis points (10000 = 100%)."""
+
+    stable_bp: int
+    canary_bp: int
+
+    def __post_init__(self) -> None:
+        if self.stable_bp < 0 or self.canary_bp < 0:
+            raise ValueError(f"negative weight in {self}")
+        if self.stable_bp + self.canary_bp != BASIS_POINTS:
+            raise ValueError(f"weights must add up to {BASIS_POINTS} bp, got {self}")
+
+    @classmethod
+    def with_canary(cls, canary_bp: int) -> Weights:
+        return cls(stable_bp=BASIS_POINTS - canary_bp, canary_bp=canary_bp)
+
+    @classmethod
+    def stable_only(cls) -> Weights:
+        return cls.with_canary(0)
+
+    @classmethod
+    def canary_only(cls) -> Weights:
+        return cls.with_canary(BASIS_POINTS)
+
+    def describe(self) -> str:
+        return f"stable {self.stable_bp / 100:g}% / canary {self.canary_bp / 100:g}%"
+
+
+# Values of RolloutState.pending_gate other than "step:<index>".
+GATE_PROMOTION: Final = "promotion"
+GATE_OPERATOR: Final = "operator"
+
+
+def step_gate(index: int) -> str:
+    return f"step:{index}"
+
+
+def gated_step(gate: str | None) -> int | None:
+    """The step index a ``step:<index>`` gate holds back, else None."""
+    if gate is not None and gate.startswith("step:"):
+        return int(gate.removeprefix("step:"))
+    return None
+
+
+@dataclass(frozen=True)
+class VerdictRecord:
+    """A judged window as kept in the state (the full check list goes to the audit log)."""
+
+    window_end: float
+    step_index: int
+    canary_bp: int
+    outcome: Outcome
+    reasons: tuple[str, ...]
+
+
+@dataclass
+class RolloutState:
+    """One rollout. Timestamps are the controller's clock (``now`` passed to ``advance``).
+
+    - ``weights`` are the last weights *set*; ``weights_live_at`` is when the router was first
+      observed applying them (None until then). Windows are only judged from that time on.
+    - ``canary_target`` / ``stable_target`` / ``canary_replicas`` are the last values this
+      rollout set (``canary_replicas`` None: the pool was never scaled by it), so a restarted
+      controller knows what it already asked for.
+    - ``failed_checks`` counts *consecutive* failed windows; a passing window resets it.
+      ``inconclusive_windows`` counts the current step's inconclusive windows.
+    - ``step_entered_at`` starts the progress deadline of a step; a resume restarts it.
+    - ``finished`` turns True when ``Finish`` has been emitted: the canary pool has been
+      cleaned up after the router confirmed stable 100%. A terminal phase that is not yet
+      finished still needs ticks.
+    - ``audit_seq`` numbers the audit records, so a replay after a crash produces the same
+      keys and the registry can drop the duplicates.
+    """
+
+    plan: RolloutPlan
+    rollout_id: str
+    model: str
+    candidate_artifact_id: str
+    baseline_artifact_id: str
+    created_at: float
+    phase: Phase = Phase.PENDING
+    step_index: int = -1
+    weights: Weights = field(default_factory=Weights.stable_only)
+    weights_live_at: float | None = None
+    canary_target: str | None = None
+    stable_target: str | None = None
+    canary_replicas: int | None = None
+    promotion_strategy: str | None = None
+    failed_checks: int = 0
+    inconclusive_windows: int = 0
+    phase_entered_at: float = 0.0
+    step_entered_at: float | None = None
+    last_analysis_at: float | None = None
+    verdicts: list[VerdictRecord] = field(default_factory=list)
+    reason: str | None = None
+    pending_gate: str | None = None
+    finished: bool = False
+    audit_seq: int = 0
+
+    @classmethod
+    def new(
+        cls,
+        plan: RolloutPlan,
+        *,
+        rollout_id: str,
+        model: str,
+        candidate_artifact_id: str,
+        baseline_artifact_id: str,
+        now: float,
+    ) -> RolloutState:
+        if candidate_artifact_id == baseline_artifact_id:
+            raise ValueError(
+                f"candidate {candidate_artifact_id!r} is already the baseline; nothing to roll out"
+            )
+        return cls(
+            plan=plan,
+            rollout_id=rollout_id,
+            model=model,
+            candidate_artifact_id=candidate_artifact_id,
+            baseline_artifact_id=baseline_artifact_id,
+            created_at=now,
+            phase_entered_at=now,
+            stable_target=baseline_artifact_id,
+        )
+
+    @property
+    def is_active(self) -> bool:
+        """True until the rollout has finished, cleanup included."""
+        return not self.finished
+
+    @property
+    def step_percent(self) -> float | None:
+        return self.plan.steps[self.step_index] if self.step_index >= 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema_version"] = STATE_SCHEMA_VERSION
+        data["plan"] = self.plan.model_dump(mode="json")
+        data["phase"] = self.phase.value
+        data["verdicts"] = [
+            {**asdict(v), "outcome": v.outcome.value, "reasons": list(v.reasons)}
+            for v in self.verdicts
+        ]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutState:
+        data = dict(data)
+        version = data.pop("schema_version", None)
+        if version != STATE_SCHEMA_VERSION:
+            raise ValueError(
+                f"rollout state schema_version {version!r} is not {STATE_SCHEMA_VERSION}"
+            )
+        data["plan"] = RolloutPlan.model_validate(data["plan"])
+        data["phase"] = Phase(data["phase"])
+        data["weights"] = Weights(**data["weights"])
+        data["verdicts"] = [
+            VerdictRecord(
+                window_end=v["window_end"],
+                step_index=v["step_index"],
+                canary_bp=v["canary_bp"],
+                outcome=Outcome(v["outcome"]),
+                reasons=tuple(v["reasons"]),
+            )
+            for v in data["verdicts"]
+        ]
+        return cls(**data)
