@@ -1,0 +1,456 @@
+"""Turn a verified artifact into a servable model, or reject it with a category.
+
+    compatibility -> memory budget -> build from service code -> strict load of the verified
+    bytes -> placement -> eval -> dry run on service-owned requests -> output validation ->
+    CUDA synchronize
+
+Rejections (ArtifactRejected): ``runtime`` (runtime, precision, architecture or torch version
+not supported), ``schema`` (feature schema, normalization/label files), ``load`` (bytes that do
+not deserialize, missing/unexpected keys, shapes, dtypes), ``dry_run`` (failed or invalid
+output on representative requests), ``budget`` (would not fit next to the resident model), and
+``size``/``digest`` from re-checking the bytes read.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import safetensors.torch
+import torch
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from app.errors import ArtifactRejected
+from app.features import (
+    CONTEXT_FIELDS,
+    FEATURE_SCHEMA,
+    LABEL_MAPPING_FILE,
+    NORMALIZATION_FILE,
+    NUM_FEATURES,
+    LabelMapping,
+    Normalization,
+    RankedCandidate,
+    RankRequest,
+    encode_batch,
+    rank_from_logits,
+)
+from app.manifest import Manifest
+from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
+from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
+
+if TYPE_CHECKING:
+    from app.cache import VerifiedArtifact
+
+WEIGHTS_FILES: Final = {"safetensors": "weights.safetensors", "pytorch-state-dict": "weights.pt"}
+PRECISIONS: Final = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# manifest.metadata["requires"]["torch"]: a PEP 440 specifier such as ">=2.10,<3".
+TORCH_REQUIREMENT_KEY: Final = ("requires", "torch")
+# Largest dry-run batch in rows (candidates over all requests); sizes the warm-up workspace.
+DRY_RUN_MAX_ROWS: Final = 24 * 16
+# Scores of a request must not depend on what else is in its batch (beyond kernel rounding).
+BATCH_INVARIANCE_ATOL: Final = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def runtime_build() -> str:
+    """e.g. ``torch-2.13.0+cpu`` or ``torch-2.13.0+cu130`` (the wheel's local version)."""
+    return f"torch-{torch.__version__}"
+
+
+def _torch_requirement(manifest: Manifest) -> str | None:
+    node: Any = manifest.metadata
+    for key in TORCH_REQUIREMENT_KEY:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    if not isinstance(node, str):
+        raise ArtifactRejected("runtime", f"metadata.requires.torch must be a string, got {node!r}")
+    return node
+
+
+def check_compatibility(manifest: Manifest) -> None:
+    """Can this service run the artifact at all? ArtifactRejected ``runtime`` / ``schema``."""
+    aid = manifest.artifact_id
+    if manifest.runtime not in WEIGHTS_FILES:
+        raise ArtifactRejected(
+            "runtime",
+            f"unknown runtime {manifest.runtime!r} (supported: {sorted(WEIGHTS_FILES)})",
+            artifact_id=aid,
+        )
+    if manifest.feature_schema != FEATURE_SCHEMA:
+        raise ArtifactRejected(
+            "schema",
+            f"feature schema {manifest.feature_schema!r}, this service serves {FEATURE_SCHEMA!r}",
+            artifact_id=aid,
+        )
+    if manifest.precision not in PRECISIONS:
+        raise ArtifactRejected(
+            "runtime",
+            f"unknown precision {manifest.precision!r} (supported: {sorted(PRECISIONS)})",
+            artifact_id=aid,
+        )
+    try:
+        spec = architecture_spec(manifest.architecture)
+        ranker_params(manifest.architecture)
+        running = Version(torch.__version__)
+        if running.release < Version(spec.min_torch).release:
+            raise ArtifactRejected(
+                "runtime", f"{spec.name} v{spec.version} needs torch >= {spec.min_torch}"
+            )
+        requirement = _torch_requirement(manifest)
+        if requirement is not None:
+            try:
+                allowed = SpecifierSet(requirement)
+            except InvalidSpecifier:
+                raise ArtifactRejected(
+                    "runtime", f"metadata.requires.torch {requirement!r} is not a version range"
+                ) from None
+            # Compare the public version: a "+cu130" build satisfies ">=2.10" like "+cpu" does.
+            if not allowed.contains(running.public, prereleases=True):
+                raise ArtifactRejected(
+                    "runtime", f"artifact requires torch {requirement}, this is {torch.__version__}"
+                )
+    except ArtifactRejected as exc:
+        raise ArtifactRejected(exc.category, exc.detail, artifact_id=aid) from None
+    except InvalidVersion as exc:  # a local torch build with an odd version string
+        raise ArtifactRejected(
+            "runtime", f"cannot read torch version: {exc}", artifact_id=aid
+        ) from None
+    listed = {f.path for f in manifest.files}
+    for needed in (WEIGHTS_FILES[manifest.runtime], NORMALIZATION_FILE, LABEL_MAPPING_FILE):
+        if needed not in listed:
+            raise ArtifactRejected(
+                "schema",
+                f"runtime {manifest.runtime} needs {needed!r} in the artifact",
+                artifact_id=aid,
+            )
+
+
+def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
+    stored = PRECISIONS[precision]
+    if device.type == "cpu":
+        # Half-precision matmul on CPU is emulated or missing on most x86 parts and is several
+        # times slower than fp32 where it exists; upcasting the weights is exact. Reports keep
+        # the artifact's precision; compute_dtype says what actually runs.
+        return torch.float32
+    if stored is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float32
+    return stored
+
+
+def _deserialize(data: bytes, runtime: str) -> dict[str, torch.Tensor]:
+    try:
+        if runtime == "safetensors":
+            state = safetensors.torch.load(data)
+        else:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # any failure to parse untrusted bytes is a load rejection
+        raise ArtifactRejected(
+            "load", f"cannot deserialize {WEIGHTS_FILES[runtime]}: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ArtifactRejected("load", "weights are not a flat mapping of names to tensors")
+    return state
+
+
+def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: str) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ArtifactRejected(
+            "load",
+            f"state dict does not match the architecture: missing keys {missing}, "
+            f"unexpected keys {unexpected}",
+        )
+    dtype = PRECISIONS[precision]
+    for key, shape in expected.items():
+        t = state[key]
+        if tuple(t.shape) != shape:
+            raise ArtifactRejected(
+                "load", f"shape mismatch for {key}: artifact {tuple(t.shape)}, architecture {shape}"
+            )
+        if t.layout != torch.strided:
+            raise ArtifactRejected("load", f"{key} is not a dense tensor ({t.layout})")
+        if t.dtype != dtype:
+            raise ArtifactRejected(
+                "load", f"{key} is {t.dtype} but the manifest says precision {precision}"
+            )
+
+
+class LoadedModel:
+    """A strictly loaded, dry-run-validated ranker on its device. Immutable once built."""
+
+    def __init__(
+        self,
+        *,
+        manifest: Manifest,
+        model: RankerMLP,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        normalization: Normalization,
+        labels: LabelMapping,
+        memory: MemoryEstimate | None,
+    ) -> None:
+        self.manifest = manifest
+        self.artifact_id = manifest.artifact_id
+        self.precision = manifest.precision  # what the artifact holds
+        self.compute_dtype = compute_dtype  # what runs (fp32 on CPU, see compute_dtype_for)
+        self.device = device
+        self.runtime_build = runtime_build()
+        self.params: RankerParams = model.params
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.normalization = normalization
+        self.labels = labels
+        self.memory = memory
+        self.timings: dict[str, float] = {}
+        self._model: RankerMLP | None = model
+
+    def _logits(self, requests: Sequence[RankRequest]) -> tuple[torch.Tensor, np.ndarray]:
+        model = self._model
+        if model is None:
+            raise RuntimeError(f"model {self.artifact_id} is closed")
+        enc = encode_batch(requests, self.normalization)
+        with torch.inference_mode():
+            x = torch.from_numpy(enc.features).to(self.device, non_blocking=True)
+            ctx = torch.from_numpy(enc.context).to(self.device, non_blocking=True)
+            return model(x, ctx), enc.offsets
+
+    def rank_batch(self, requests: Sequence[RankRequest]) -> list[list[RankedCandidate]]:
+        """One forward for all candidates of all (already validated) requests."""
+        if not requests:
+            return []
+        logits, offsets = self._logits(requests)
+        host = logits.float().cpu().numpy()  # the one device sync of the request path
+        return rank_from_logits(requests, host, offsets, self.labels)
+
+    def release_event(self) -> object | None:
+        """A CUDA event recorded after the kernels queued so far on the current stream; the
+        generation holder waits on it before freeing this model. None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def close(self) -> None:
+        self._model = None
+        if self.device.type == "cuda":
+            # Hands the freed blocks back so a following candidate (and mem_get_info) sees them.
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return self._model is None
+
+    # ------------------------------------------------------------------ dry run
+
+    def dry_run(self) -> None:
+        """Run the service's representative requests and validate every output."""
+        tol = BATCH_INVARIANCE_ATOL[self.compute_dtype]
+        for batch in representative_batches(self.normalization):
+            logits, offsets = self._logits(batch)
+            rows = int(offsets[-1])
+            if tuple(logits.shape) != (rows,):
+                raise ArtifactRejected(
+                    "dry_run", f"output shape {tuple(logits.shape)}, expected ({rows},)"
+                )
+            if logits.dtype != self.compute_dtype:
+                raise ArtifactRejected(
+                    "dry_run", f"output dtype {logits.dtype}, expected {self.compute_dtype}"
+                )
+            host = logits.float().cpu().numpy()
+            bad = np.flatnonzero(~np.isfinite(host))
+            if bad.size:
+                raise ArtifactRejected(
+                    "dry_run", f"{bad.size} of {rows} scores are not finite (NaN/Inf)"
+                )
+            ranked = rank_from_logits(batch, host, offsets, self.labels)
+            for req, answer in zip(batch, ranked, strict=True):
+                _check_ranking(req, answer, self.labels)
+            if 1 < len(batch) <= 8:
+                # Batch invariance: each request alone scores as it did inside the batch.
+                in_batch = _sigmoid(host)
+                for i, req in enumerate(batch):
+                    alone_logits, _ = self._logits([req])
+                    alone = _sigmoid(alone_logits.float().cpu().numpy())
+                    diff = float(np.max(np.abs(alone - in_batch[offsets[i] : offsets[i + 1]])))
+                    if not diff <= tol:
+                        raise ArtifactRejected(
+                            "dry_run", f"scores change by {diff:.3g} with the batch (tol {tol})"
+                        )
+        if self.device.type == "cuda":
+            # Warm-up is complete only when the queued kernels have run; not on the request path.
+            torch.cuda.synchronize(self.device)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def _check_ranking(req: RankRequest, answer: list[RankedCandidate], labels: LabelMapping) -> None:
+    expected_len = min(req.top_n, len(req.candidate_ids))
+    if len(answer) != expected_len:
+        raise ArtifactRejected(
+            "dry_run", f"{len(answer)} results for top_n={req.top_n} of {len(req.candidate_ids)}"
+        )
+    ids = [c.id for c in answer]
+    if len(set(ids)) != len(ids) or not set(ids) <= set(req.candidate_ids):
+        raise ArtifactRejected("dry_run", "result ids are not distinct candidates of the request")
+    scores = [c.score for c in answer]
+    if not all(0.0 <= s <= 1.0 for s in scores):
+        raise ArtifactRejected("dry_run", "a score is outside [0, 1]")
+    if any(a < b for a, b in itertools.pairwise(scores)):
+        raise ArtifactRejected("dry_run", "results are not sorted by score")
+    if not all(c.label in labels.labels for c in answer):
+        raise ArtifactRejected("dry_run", "a result carries an unknown label")
+
+
+def representative_batches(norm: Normalization, seed: int = 20261008) -> list[list[RankRequest]]:
+    """Service-owned warm-up requests: several batch sizes, dense / sparse / all-missing /
+    extreme features, top-N below, at and above the candidate count, every context value."""
+    rng = np.random.default_rng(seed)
+
+    def rows(
+        n: int, missing: float = 0.0, scale: float = 1.0
+    ) -> tuple[tuple[float | None, ...], ...]:
+        raw = norm.mean + norm.std * scale * rng.standard_normal((n, NUM_FEATURES))
+        drop = rng.random((n, NUM_FEATURES)) < missing
+        return tuple(
+            tuple(None if d else float(v) for v, d in zip(r, dr, strict=True))
+            for r, dr in zip(raw, drop, strict=True)
+        )
+
+    def request(
+        tag: str,
+        feats: tuple[tuple[float | None, ...], ...],
+        top_n: int,
+        ctx: dict[str, str | int] | None = None,
+    ) -> RankRequest:
+        ids = tuple(f"{tag}-{i}" for i in range(len(feats)))
+        return RankRequest(ids, feats, dict(ctx or {}), top_n)
+
+    all_missing = tuple((None,) * NUM_FEATURES for _ in range(3))
+    single = [request("single", rows(1), 1)]
+    mixed = [
+        request("one", rows(1), 5, {"surface": "search"}),
+        request("sparse", rows(7, missing=0.7), 3, {"hour_of_day": 23, "device_class": "tablet"}),
+        request("extreme", rows(33, scale=1e6), 33, {"locale_bucket": "ja"}),
+        request("dense", rows(64), 100),
+        request("empty", all_missing + rows(2, missing=0.95), 4, {"surface": "email"}),
+    ]
+    widest = max(len(f.values) for f in CONTEXT_FIELDS.values())
+    every_context = [
+        request(
+            f"ctx{j}",
+            rows(16, missing=0.1),
+            10,
+            {name: f.values[j % len(f.values)] for name, f in CONTEXT_FIELDS.items()},
+        )
+        for j in range(widest)
+    ]
+    return [single, mixed, every_context]
+
+
+def _memory_estimate(
+    manifest: Manifest,
+    params: RankerParams,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    budget: MemoryBudget,
+    resident_bytes: int,
+) -> MemoryEstimate:
+    stored = PRECISIONS[manifest.precision]
+    n = params.param_count
+    weight_bytes = n * compute_dtype.itemsize
+    file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
+    if device.type == "cpu":
+        # The verified file bytes, plus the deserialized tensors when they are upcast.
+        temporaries = file_bytes + (n * stored.itemsize if stored != compute_dtype else 0)
+    else:
+        # Tensors move to the device one at a time; the largest is the transient excess.
+        largest = max(params.input_dim, params.hidden_dim) * params.hidden_dim
+        temporaries = largest * compute_dtype.itemsize
+    widest = max(params.input_dim, params.hidden_dim)
+    workspace = DRY_RUN_MAX_ROWS * (params.input_dim + 3 * widest) * compute_dtype.itemsize
+    return estimate_peak(
+        budget,
+        device=device,
+        resident_bytes=resident_bytes,
+        candidate_weight_bytes=weight_bytes,
+        load_temporary_bytes=temporaries,
+        warmup_workspace_bytes=workspace,
+    )
+
+
+def load_verified(
+    artifact: VerifiedArtifact,
+    *,
+    device: torch.device | None = None,
+    budget: MemoryBudget | None = None,
+    resident_bytes: int = 0,
+) -> LoadedModel:
+    """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure."""
+    manifest = artifact.manifest
+    aid = manifest.artifact_id
+    device = device or default_device()
+    t0 = time.perf_counter()
+    try:
+        check_compatibility(manifest)
+        params = ranker_params(manifest.architecture)
+        compute_dtype = compute_dtype_for(manifest.precision, device)
+        memory = None
+        if budget is not None:
+            memory = _memory_estimate(
+                manifest, params, device, compute_dtype, budget, resident_bytes
+            )
+            check_budget(memory)
+        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE))
+        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE))
+        state = _deserialize(
+            artifact.read_verified(WEIGHTS_FILES[manifest.runtime]), manifest.runtime
+        )
+        model = build_ranker(manifest.architecture, device="meta")
+        _check_state(state, model, manifest.precision)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ArtifactRejected("load", f"load_state_dict: {exc}") from None
+        del state
+        model.to(device=device, dtype=compute_dtype).eval().requires_grad_(False)
+        loaded = LoadedModel(
+            manifest=manifest,
+            model=model,
+            device=device,
+            compute_dtype=compute_dtype,
+            normalization=normalization,
+            labels=labels,
+            memory=memory,
+        )
+        t1 = time.perf_counter()
+        try:
+            loaded.dry_run()
+        except ArtifactRejected:
+            loaded.close()
+            raise
+        except Exception as exc:  # a forward that raises is a failed dry run, not a crash
+            loaded.close()
+            raise ArtifactRejected("dry_run", f"{type(exc).__name__}: {exc}") from None
+        loaded.timings.update(load=t1 - t0, dry_run=time.perf_counter() - t1)
+        return loaded
+    except ArtifactRejected as exc:
+        if exc.artifact_id is None:
+            raise ArtifactRejected(exc.category, exc.detail, artifact_id=aid) from None
+        raise

@@ -1,0 +1,285 @@
+"""The ranker-features-v3 contract (validation, pre/post-processing, artifact files) and the
+service-owned ranker-mlp architecture."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from app.demo_artifacts import label_mapping_doc, normalization_doc
+from app.errors import ArtifactRejected
+from app.features import (
+    CONTEXT_FIELDS,
+    CONTEXT_ORDER,
+    FEATURE_NAMES,
+    FEATURE_SCHEMA,
+    NUM_FEATURES,
+    LabelMapping,
+    Normalization,
+    RankedCandidate,
+    RankRequest,
+    encode_batch,
+    encode_context,
+    rank_from_logits,
+    validate_request,
+)
+from app.manifest import Architecture
+from app.ranker import KNOWN_ARCHITECTURES, RANKER_MLP, RankerMLP, build_ranker, ranker_params
+
+
+def _row(value: float | None = 1.0) -> tuple[float | None, ...]:
+    return (value,) * NUM_FEATURES
+
+
+def _request(n: int = 3, top_n: int = 2, **context: str | int | float) -> RankRequest:
+    return RankRequest(
+        tuple(f"c{i}" for i in range(n)),
+        tuple(_row(float(i)) for i in range(n)),
+        context,
+        top_n,
+    )
+
+
+def _norm(clip: float = 8.0) -> Normalization:
+    doc = normalization_doc(7)
+    doc["clip"] = clip
+    return Normalization.from_json(json.dumps(doc).encode())
+
+
+LABELS = LabelMapping.from_json(json.dumps(label_mapping_doc()).encode())
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_schema_has_80_distinct_named_features_and_typed_context_with_defaults():
+    assert FEATURE_SCHEMA == "ranker-features-v3"
+    assert len(FEATURE_NAMES) == NUM_FEATURES == 80
+    assert len(set(FEATURE_NAMES)) == 80
+    for field in CONTEXT_FIELDS.values():
+        assert field.default in field.values
+        assert all(isinstance(v, field.kind) for v in field.values)
+    assert set(CONTEXT_ORDER) >= {"surface", "hour_of_day", "device_class", "locale_bucket"}
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_valid_request_passes_including_missing_features_and_integral_float_hour():
+    req = RankRequest(
+        ("a", "b"), (_row(None), _row(2.5)), {"hour_of_day": 13.0, "surface": "cart"}, 50
+    )
+    validate_request(req)
+
+
+@pytest.mark.parametrize(
+    ("req", "field"),
+    [
+        (RankRequest((), (), {}, 1), "candidate_ids"),
+        (RankRequest(("a", "a"), (_row(), _row()), {}, 1), "candidate_ids"),
+        (RankRequest(("a", ""), (_row(), _row()), {}, 1), "candidate_ids[1]"),
+        (RankRequest(("a", "b"), (_row(),), {}, 1), "features"),
+        (RankRequest(("a",), ((1.0,) * 79,), {}, 1), "features[0]"),
+        (RankRequest(("a",), ((*_row()[:5], math.nan, *_row()[6:]),), {}, 1), "features[0][5]"),
+        (RankRequest(("a",), ((*_row()[:79], math.inf),), {}, 1), "features[0][79]"),
+        (RankRequest(("a",), ((*_row()[:3], "x", *_row()[4:]),), {}, 1), "features"),
+        (RankRequest(("a",), (_row(),), {"country": "de"}, 1), "context.country"),
+        (RankRequest(("a",), (_row(),), {"surface": "tv"}, 1), "context.surface"),
+        (RankRequest(("a",), (_row(),), {"hour_of_day": 24}, 1), "context.hour_of_day"),
+        (RankRequest(("a",), (_row(),), {"hour_of_day": 1.5}, 1), "context.hour_of_day"),
+        (RankRequest(("a",), (_row(),), {"hour_of_day": True}, 1), "context.hour_of_day"),
+        (RankRequest(("a",), (_row(),), {"locale_bucket": 3}, 1), "context.locale_bucket"),
+        (RankRequest(("a",), (_row(),), {}, 0), "top_n"),
+        (RankRequest(("a",), (_row(),), {}, True), "top_n"),
+    ],
+)
+def test_invalid_request_names_the_field(req: RankRequest, field: str):
+    with pytest.raises(ValueError) as info:
+        validate_request(req)
+    assert str(info.value).startswith(f"{field}:"), str(info.value)
+
+
+def test_nan_is_told_apart_from_missing_in_the_same_request():
+    feats = (_row(None), (*_row()[:10], math.nan, *_row()[11:]))
+    with pytest.raises(ValueError, match=r"features\[1\]\[10\]"):
+        validate_request(RankRequest(("a", "b"), feats, {}, 1))
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+
+def test_encode_fills_missing_normalises_clips_and_flattens_without_padding():
+    norm = _norm(clip=3.0)
+    big = norm.mean[0] + 100 * norm.std[0]
+    req1 = RankRequest(("a",), ((None, *_row(None)[1:]),), {}, 1)
+    req2 = RankRequest(
+        ("b", "c"),
+        ((float(big), *tuple(norm.mean[1:].tolist())), _row(None)),
+        {"surface": "search", "hour_of_day": 5},
+        1,
+    )
+    enc = encode_batch([req1, req2], norm)
+    assert enc.features.shape == (3, NUM_FEATURES) and enc.features.dtype == np.float32
+    assert enc.offsets.tolist() == [0, 1, 3]
+    expected_fill = (norm.fill - norm.mean) / norm.std
+    np.testing.assert_allclose(enc.features[0], expected_fill, rtol=1e-5, atol=1e-6)
+    assert enc.features[1, 0] == pytest.approx(3.0)  # clipped from +100 std
+    np.testing.assert_allclose(enc.features[1, 1:], 0.0, atol=1e-5)
+    assert np.all(np.abs(enc.features) <= 3.0)
+    defaults = encode_context({})
+    assert enc.context[0].tolist() == list(defaults)
+    assert enc.context[1].tolist() == enc.context[2].tolist()
+    surface = CONTEXT_ORDER.index("surface")
+    hour = CONTEXT_ORDER.index("hour_of_day")
+    assert enc.context[1, surface] == CONTEXT_FIELDS["surface"].values.index("search")
+    assert enc.context[1, hour] == 5
+
+
+def test_every_context_value_has_its_own_index():
+    for pos, (name, field) in enumerate(CONTEXT_FIELDS.items()):
+        seen = {encode_context({name: v})[pos] for v in field.values}
+        assert seen == set(range(len(field.values)))
+
+
+# --------------------------------------------------------------------------- postprocessing
+
+
+def test_top_n_sorted_by_score_ties_in_input_order_and_labels_by_band():
+    reqs = [
+        RankRequest(("a", "b", "c", "d"), (_row(),) * 4, {}, 3),
+        RankRequest(("x", "y"), (_row(),) * 2, {}, 10),  # top_n above the candidate count
+    ]
+    logits = np.array([0.0, 2.0, 0.0, 2.0, -3.0, 5.0], dtype=np.float32)
+    out = rank_from_logits(reqs, logits, np.array([0, 4, 6]), LABELS)
+    assert [c.id for c in out[0]] == ["b", "d", "a"]  # b/d tie and a/c tie keep input order
+    assert [c.id for c in out[1]] == ["y", "x"]
+    top = out[0][0]
+    assert top.score == pytest.approx(1 / (1 + math.exp(-2.0)))
+    assert top.label == "excellent" and out[0][2].label == "good"  # 0.88 and 0.5
+    assert out[1][1].label == "poor"
+    assert all(isinstance(c, RankedCandidate) for c in out[0])
+
+
+# --------------------------------------------------------------------------- artifact files
+
+
+def _norm_bytes(mutate) -> bytes:
+    doc = normalization_doc(1)
+    mutate(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d["features"].pop(FEATURE_NAMES[3]),
+        lambda d: d["features"].update(extra_feature={"mean": 0, "std": 1, "fill": 0}),
+        lambda d: d["features"][FEATURE_NAMES[0]].update(std=0.0),
+        lambda d: d["features"][FEATURE_NAMES[0]].update(mean=float("nan")),
+        lambda d: d["features"][FEATURE_NAMES[0]].pop("fill"),
+        lambda d: d.update(feature_schema="ranker-features-v2"),
+        lambda d: d.update(clip=-1),
+    ],
+)
+def test_bad_normalization_is_a_schema_rejection(mutate):
+    with pytest.raises(ArtifactRejected) as info:
+        Normalization.from_json(_norm_bytes(mutate))
+    assert info.value.category == "schema"
+
+
+@pytest.mark.parametrize(
+    "bands",
+    [
+        [],
+        [{"label": "a", "min_score": 0.1}],
+        [{"label": "a", "min_score": 0.0}, {"label": "b", "min_score": 0.0}],
+        [{"label": "a", "min_score": 0.0}, {"label": "a", "min_score": 0.5}],
+        [{"label": "a", "min_score": 0.0}, {"label": "b", "min_score": 1.5}],
+        [{"label": "", "min_score": 0.0}],
+    ],
+)
+def test_bad_label_mapping_is_a_schema_rejection(bands):
+    data = json.dumps({"feature_schema": FEATURE_SCHEMA, "score_bands": bands}).encode()
+    with pytest.raises(ArtifactRejected) as info:
+        LabelMapping.from_json(data)
+    assert info.value.category == "schema"
+
+
+def test_not_json_is_a_schema_rejection():
+    with pytest.raises(ArtifactRejected, match="not valid JSON"):
+        Normalization.from_json(b"\xff{")
+
+
+# --------------------------------------------------------------------------- architecture
+
+
+def _arch(name: str = RANKER_MLP, version: int = 1, **params) -> Architecture:
+    return Architecture(name=name, version=version, params=params)
+
+
+def test_defaults_and_known_architectures():
+    assert (RANKER_MLP, 1) in KNOWN_ARCHITECTURES
+    p = ranker_params(_arch())
+    assert (p.hidden_dim, p.num_layers, p.context_dim) == (64, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        _arch(name="ranker-transformer"),
+        _arch(version=2),
+        _arch(hidden_dim=0),
+        _arch(num_layers=65),
+        _arch(hidden_dim=True),
+        _arch(hidden_dim=8.0),
+        _arch(dropout=1),
+    ],
+)
+def test_unknown_or_invalid_architecture_is_a_runtime_rejection(arch):
+    with pytest.raises(ArtifactRejected) as info:
+        build_ranker(arch)
+    assert info.value.category == "runtime"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"hidden_dim": 8, "num_layers": 1, "context_dim": 1},
+        {"hidden_dim": 16, "num_layers": 3, "context_dim": 4},
+    ],
+)
+def test_param_count_matches_the_built_module(params):
+    model = build_ranker(_arch(**params))
+    assert sum(p.numel() for p in model.parameters()) == ranker_params(_arch(**params)).param_count
+    assert all(p.device.type == "meta" for p in model.parameters())  # nothing allocated
+
+
+def test_each_candidate_is_scored_independently_of_the_others():
+    torch.manual_seed(0)
+    model = build_ranker(_arch(hidden_dim=8, num_layers=2, context_dim=2), device="cpu")
+    assert isinstance(model, RankerMLP)
+    x = torch.randn(5, NUM_FEATURES)
+    ctx = torch.tensor([list(encode_context({"surface": "search"}))] * 5)
+    with torch.inference_mode():
+        full = model(x, ctx)
+        perm = torch.tensor([4, 2, 0, 1, 3])
+        permuted = model(x[perm], ctx[perm])
+        other_ctx = model(x, torch.tensor([list(encode_context({"surface": "cart"}))] * 5))
+    assert full.shape == (5,)
+    torch.testing.assert_close(permuted, full[perm])
+    assert not torch.equal(other_ctx, full)  # the context reaches the score
+
+
+def test_encode_accepts_array_rows_with_nan_as_missing():
+    """The replica hands over decoded wire rows as arrays; NaN there means missing."""
+    norm = _norm()
+    rows = (_row(None), tuple(float(i) for i in range(NUM_FEATURES)))
+    as_tuples = RankRequest(("a", "b"), rows, {"surface": "cart"}, 1)
+    as_array = RankRequest(("a", "b"), np.array(rows, dtype=np.float32), {"surface": "cart"}, 1)
+    a, b = encode_batch([as_tuples], norm), encode_batch([as_array], norm)
+    np.testing.assert_array_equal(a.features, b.features)
+    np.testing.assert_array_equal(a.context, b.context)
