@@ -123,8 +123,19 @@ def pack(
 @click.option("--cache", "cache_dir", default=DEFAULT_CACHE_DIR, show_default=True)
 @click.option("--trust-key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--load", is_flag=True, help="Also build, strictly load and dry-run the model.")
+@click.option(
+    "--memory-budget",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Device memory capacity in bytes for the budget check (default: ask the device).",
+)
 def verify(
-    manifest_uri: str, manifest_sha256: str, cache_dir: str, trust_key: Path | None, load: bool
+    manifest_uri: str,
+    manifest_sha256: str,
+    cache_dir: str,
+    trust_key: Path | None,
+    load: bool,
+    memory_budget: int | None,
 ) -> None:
     """Fetch MANIFEST_URI into the verified cache and check every file (and the model)."""
     from app.cache import ArtifactCache
@@ -140,9 +151,11 @@ def verify(
     }
     if load:
         from app.loader import load_verified
+        from app.memory import MemoryBudget
 
+        budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
         with cache.lease(manifest_sha256):
-            model = load_verified(artifact)
+            model = load_verified(artifact, budget=budget)
             payload["loaded"] = {
                 "device": str(model.device),
                 "runtime_build": model.runtime_build,
@@ -202,8 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exc.show()
         return EXIT_USAGE
     except ArtifactRejected as exc:
-        # The verdict of verify/pack, on stdout like the success line.
-        click.echo(f"rejected: {exc.category}: {exc.detail}")
+        click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
         return EXIT_REJECTED
     except RolloutSystemError as exc:
         click.echo(f"error[{exc.category}]: {exc}", err=True)
