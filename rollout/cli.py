@@ -10,6 +10,7 @@ artifacts), never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -189,6 +190,324 @@ def keygen(private_key: Path, public_key: Path) -> None:
             raise click.BadParameter(f"{path} exists; refusing to overwrite a key")
     generate_keypair(private_key, public_key)
     emit({"private_key": str(private_key), "public_key": str(public_key)})
+
+
+# ---------------------------------------------------------------------- rollouts
+
+
+def _cluster_options(func: Any) -> Any:
+    """Options of every command that talks to the running cluster's controller."""
+    options = [
+        click.option(
+            "--address",
+            envvar="RAY_ADDRESS",
+            default=None,
+            help="Ray cluster address (env RAY_ADDRESS; default: the local cluster).",
+        ),
+        click.option(
+            "--db",
+            "db_url",
+            envvar="ROLLOUT_DB",
+            default=None,
+            help="Registry URL (env ROLLOUT_DB; default: the embedded SQLite of the demo).",
+        ),
+        click.option(
+            "--dashboard",
+            envvar="RAY_DASHBOARD_URL",
+            default=None,
+            help="Ray dashboard URL (default: the connected cluster's).",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _controller(address: str | None, db_url: str | None, dashboard: str | None) -> Any:
+    """Attach to the cluster and return its controller, creating it if absent."""
+    from app.registry import default_registry_url
+    from rollout.controller import (
+        ControllerSettings,
+        absolute_registry_url,
+        connect,
+        ensure_controller,
+        get_controller,
+    )
+
+    try:
+        cluster_dashboard = connect(address)
+    except ConnectionError as exc:
+        raise ConfigError(
+            f"no Ray cluster to attach to ({exc}); start one or set --address"
+        ) from exc
+    existing = get_controller()
+    if existing is not None:
+        return existing
+    dashboard = dashboard or cluster_dashboard
+    if not dashboard:
+        raise ConfigError("--dashboard: the cluster's dashboard URL is unknown; give it")
+    settings = ControllerSettings(
+        registry_url=absolute_registry_url(db_url or default_registry_url()),
+        dashboard_url=dashboard,
+    )
+    return ensure_controller(settings)
+
+
+def _call(handle_method: Any, *args: Any) -> Any:
+    import ray
+
+    return ray.get(handle_method.remote(*args), timeout=120)
+
+
+def _show(payload: Any, as_json: bool) -> None:
+    if as_json:
+        emit(payload if isinstance(payload, dict) else {"result": payload})
+    else:
+        click.echo(render_status(payload) if isinstance(payload, dict) else str(payload))
+
+
+def _pct(bp: int | None) -> str:
+    return "-" if bp is None else f"{bp / 100:g}%"
+
+
+def render_status(view: dict[str, Any]) -> str:
+    """The human view of ``rollout status``."""
+    lines = []
+    if view.get("rollout"):
+        step = view.get("step", -1)
+        steps = view.get("steps") or []
+        where = f"step {step + 1}/{len(steps)} ({view.get('step_percent')}%)" if step >= 0 else ""
+        lines.append(
+            f"rollout {view['rollout']}: {view['phase']} {where}  "
+            f"candidate {view['candidate']} over {view['baseline']}"
+        )
+        w = view.get("weights") or {}
+        lines.append(
+            f"weights: stable {_pct(w.get('stable_bp'))} canary {_pct(w.get('canary_bp'))}"
+            f"   failed checks {view.get('failed_checks', 0)}"
+            + (f"   gate {view['pending_gate']}" if view.get("pending_gate") else "")
+            + (f"   reason: {view['reason']}" if view.get("reason") else "")
+        )
+    else:
+        lines.append("no rollout in progress")
+    window = view.get("last_window")
+    if window:
+        parts = []
+        for cohort in ("stable", "canary"):
+            c = window.get(cohort)
+            if c:
+                err = "-" if c["error_rate"] is None else f"{c['error_rate'] * 100:.2f}%"
+                p99 = "-" if c["p99_ms"] is None else f"{c['p99_ms']:.1f}ms"
+                parts.append(f"{cohort} {c['rps']}/s err {err} p99 {p99}")
+        span = window["end"] - window["start"]
+        lines.append(f"last window ({span:.0f}s): " + (" | ".join(parts) or "no traffic"))
+    for verdict in view.get("verdicts") or []:
+        lines.append(
+            f"  verdict step {verdict['step'] + 1}: {verdict['outcome']}: "
+            + "; ".join(verdict["reasons"])
+        )
+    for target in view.get("targets") or []:
+        lines.append(
+            f"target {target['cohort']}: {target['artifact_id']} (revision {target['revision']})"
+        )
+    replicas = view.get("replicas") or []
+    if replicas:
+        lines.append(f"{'replica':<12} {'cohort':<7} {'phase':<8} {'actual':<14} {'rev':>4}  error")
+        for r in replicas:
+            lines.append(
+                f"{str(r['replica'])[:12]:<12} {r['cohort']!s:<7} {r['phase']!s:<8} "
+                f"{r['actual']!s:<14} {r['actual_revision']!s:>4}  {r.get('error') or ''}"
+            )
+    for event in (view.get("events") or [])[-5:]:
+        lines.append(f"  event {event['event']}: {event['message']}")
+    for alert in view.get("alerts") or []:
+        lines.append(f"  ALERT {alert}")
+    return "\n".join(lines)
+
+
+@cli.group()
+def controller() -> None:
+    """The detached rollout controller actor of the running cluster."""
+
+
+@controller.command("start")
+@_cluster_options
+def controller_start(
+    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
+) -> None:
+    """Create the controller if absent (it resumes any active rollout and repairs drift)."""
+    handle = _controller(address, db_url, dashboard)
+    emit(_call(handle.ping))
+
+
+@controller.command("status")
+@_cluster_options
+def controller_status(
+    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
+) -> None:
+    """Is the controller running, and with which settings."""
+    from rollout.controller import connect, get_controller
+
+    connect(address)
+    handle = get_controller()
+    if handle is None:
+        raise NotFound("no rollout controller is running in this cluster")
+    emit(_call(handle.ping))
+
+
+@controller.command("stop")
+@_cluster_options
+def controller_stop(
+    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
+) -> None:
+    """Stop the controller; an active rollout holds where it is until one starts again."""
+    import ray
+
+    from rollout.controller import connect, get_controller
+
+    connect(address)
+    handle = get_controller()
+    if handle is None:
+        raise NotFound("no rollout controller is running in this cluster")
+    ray.kill(handle, no_restart=True)
+    emit({"stopped": True})
+
+
+@cli.command("start")
+@click.argument("model")
+@click.argument("artifact_id")
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Rollout plan YAML (default: configs/rollout.yaml's defaults).",
+)
+@click.option("--actor", default=lambda: os.environ.get("ROLLOUT_ACTOR") or "operator")
+@_cluster_options
+def start_command(
+    model: str,
+    artifact_id: str,
+    plan_file: Path | None,
+    actor: str,
+    address: str | None,
+    db_url: str | None,
+    dashboard: str | None,
+    as_json: bool,
+) -> None:
+    """Roll ARTIFACT_ID of MODEL out: canary, weighted steps, analysis, promotion."""
+    from rollout.plan import RolloutPlan, load_plan
+
+    plan = load_plan(plan_file) if plan_file else RolloutPlan()
+    handle = _controller(address, db_url, dashboard)
+    settings = _call(handle.ping)
+    if settings["model"] != model:
+        raise ConfigError(f"MODEL: this cluster's controller manages {settings['model']!r}")
+    _show(_call(handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor), as_json)
+
+
+@cli.command("status")
+@click.option("--watch", is_flag=True, help="Refresh until the rollout finishes (Ctrl-C stops).")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True)
+@_cluster_options
+def status_command(
+    watch: bool,
+    interval: float,
+    address: str | None,
+    db_url: str | None,
+    dashboard: str | None,
+    as_json: bool,
+) -> None:
+    """Phase, step, weights, per-cohort traffic, verdicts, replicas."""
+    handle = _controller(address, db_url, dashboard)
+    while True:
+        view = _call(handle.status)
+        if watch and not as_json:
+            click.echo("\x1b[2J\x1b[H", nl=False)
+        _show(view, as_json)
+        if not watch or not view.get("rollout") or view.get("finished"):
+            return
+        time.sleep(interval)
+
+
+def _operator_command(name: str, doc: str) -> None:
+    @cli.command(name, help=doc)
+    @click.option("--reason", default="", help="Why (recorded in the rollout's events).")
+    @_cluster_options
+    def command(
+        reason: str, address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
+    ) -> None:
+        handle = _controller(address, db_url, dashboard)
+        _show(_call(handle.command, name, reason), as_json)
+
+
+_operator_command("pause", "Hold the rollout at its current weights.")
+_operator_command("resume", "Go on from a gate or a pause.")
+_operator_command("promote", "Skip the remaining steps (and gates) and promote now.")
+_operator_command("abort", "Stop the rollout: stable 100% first, then clean up.")
+
+
+@cli.command("rollback")
+@click.option(
+    "--to",
+    "to_artifact",
+    default=None,
+    help="With no rollout in progress: the artifact stable goes back to "
+    "(default: the one before the current).",
+)
+@click.option("--reason", default="", help="Why (recorded).")
+@click.option("--actor", default=lambda: os.environ.get("ROLLOUT_ACTOR") or "operator")
+@_cluster_options
+def rollback_command(
+    to_artifact: str | None,
+    reason: str,
+    actor: str,
+    address: str | None,
+    db_url: str | None,
+    dashboard: str | None,
+    as_json: bool,
+) -> None:
+    """Fast path: weights to stable first, no analysis. With no rollout in progress, point
+    stable back at an earlier artifact at a higher revision."""
+    handle = _controller(address, db_url, dashboard)
+    view = _call(handle.status)
+    if view.get("rollout") and not view.get("finished"):
+        if to_artifact is not None and to_artifact != view.get("baseline"):
+            raise ConfigError(
+                f"--to: a rollout is in progress; its rollback returns to {view['baseline']}"
+            )
+        _show(_call(handle.command, "rollback", reason), as_json)
+        return
+    target = _call(handle.rollback_stable, to_artifact, actor, reason or "rollback")
+    emit({"stable": target["artifact_id"], "revision": target["revision"]})
+
+
+@cli.command("history")
+@click.option("--db", "db_url", envvar="ROLLOUT_DB", default=None)
+@click.option("--model", default="ranker", show_default=True)
+@click.option("--env", "env", default="default", show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def history_command(db_url: str | None, model: str, env: str, limit: int, as_json: bool) -> None:
+    """Past and current rollouts, newest first, from the registry."""
+    from app.registry import default_registry_url, open_registry
+
+    with open_registry(db_url or default_registry_url()) as registry:
+        records = registry.list_rollouts(model, env, limit=limit)
+    if as_json:
+        for record in records:
+            emit(record.to_dict())
+        return
+    if not records:
+        click.echo("no rollouts")
+    for r in records:
+        events = (r.state or {}).get("events") or []
+        click.echo(
+            f"{r.created_at:%Y-%m-%d %H:%M:%S} {r.id}: {r.candidate_artifact_id} over "
+            f"{r.baseline_artifact_id}: {r.phase}" + (f" ({r.reason})" if r.reason else "")
+        )
+        for event in events[-3:]:
+            click.echo(f"    {event['event']}: {event['message']}")
 
 
 def _register_subcommands() -> None:

@@ -182,7 +182,7 @@ class RayScrapeSource:
         timeout_s: float = 5.0,
     ) -> None:
         self._endpoints = endpoints
-        self._application = application
+        self.application = application
         self._clock = clock
         self._client = httpx.Client(timeout=timeout_s)
         self._previous: Snapshot | None = None
@@ -214,11 +214,37 @@ class RayScrapeSource:
         self._previous = current
         if previous is None:
             return WindowStats(current.taken_at, current.taken_at, None, None)
-        counts = cohort_window(window_increase(previous, current), application=self._application)
+        counts = cohort_window(window_increase(previous, current), application=self.application)
         return to_window(counts, previous.taken_at, current.taken_at)
 
     def close(self) -> None:
         self._client.close()
+
+
+class SnapshotWindows:
+    """Windows between arbitrary times from a scrape source: the controller takes a snapshot
+    every tick (``observe``) and asks for the increase between the first snapshot taken at or
+    after ``start`` and the latest one."""
+
+    def __init__(self, source: RayScrapeSource, *, keep: int = 4096) -> None:
+        self.source = source
+        self._snapshots: list[Snapshot] = []
+        self._keep = keep
+
+    def observe(self) -> None:
+        self._snapshots.append(self.source.snapshot())
+        del self._snapshots[: -self._keep]
+
+    def window_between(self, start: float, end: float) -> WindowStats | None:
+        first = next((s for s in self._snapshots if s.taken_at >= start), None)
+        last = next((s for s in reversed(self._snapshots) if s.taken_at <= end), None)
+        if first is None or last is None or last.taken_at <= first.taken_at:
+            return None
+        counts = cohort_window(window_increase(first, last), application=self.source.application)
+        return to_window(counts, first.taken_at, last.taken_at)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 class PromQLSource:
@@ -275,6 +301,9 @@ class PromQLSource:
             if cohort in counts:
                 counts[cohort].buckets[float(row["metric"]["le"])] += float(row["value"][1])
         return to_window(counts, start, end)
+
+    def observe(self) -> None:
+        """Nothing to keep: Prometheus holds the history."""
 
     def window(self) -> WindowStats:
         end = self._clock()

@@ -149,9 +149,21 @@ class ServeControl:
         return self.update(mutate)
 
     def current_user_config(self, app: str, deployment: str) -> dict[str, Any] | None:
-        config = self.declarative_config()
+        """The deployment's user_config as last asked for: the declarative override if the
+        config has one, else what the application's builder gave it (live in Serve).
+
+        Writing back a *whole* user_config matters: an override replaces the builder's
+        user_config entirely, so a partial one would drop fields the replicas need."""
+        details = self.details()
+        config = self.declarative_config(details)
         entry = _deployment_entry(config, app, deployment, create=False)
-        return None if entry is None else entry.get("user_config")
+        if entry is not None and entry.get("user_config") is not None:
+            return copy.deepcopy(entry["user_config"])
+        live = (((details.get("applications") or {}).get(app) or {}).get("deployments") or {}).get(
+            deployment
+        ) or {}
+        user_config = (live.get("deployment_config") or {}).get("user_config")
+        return copy.deepcopy(user_config) if user_config is not None else None
 
     def wait_applied(
         self,
