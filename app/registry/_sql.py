@@ -1,0 +1,791 @@
+"""The registry's operations, written once over a small transaction interface.
+
+Both backends run the very same statements, so their behaviour cannot drift. What differs is
+supplied by each backend and nowhere else: connections and transactions (SQLite
+``BEGIN IMMEDIATE`` on a per-thread connection; PostgreSQL READ COMMITTED from a pool),
+placeholders (statements here use ``?``; the PostgreSQL transaction rewrites them), how
+timestamps and JSON travel, row locks (``FOR SHARE``/``FOR UPDATE`` exist only in
+PostgreSQL; SQLite's write transaction already holds the database lock), the migration lock,
+and the translation of driver errors.
+
+Timestamps come from the registry's ``clock`` rather than the database's ``now()``: one
+source of time for both backends, and tests can pass their own.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
+from importlib import resources
+from types import TracebackType
+from typing import Any, Final, Protocol, Self
+
+from app.artifact_store import fetch_manifest
+from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
+from app.manifest import is_sha256_hex
+from app.registry.base import (
+    COHORTS,
+    TERMINAL_ROLLOUT_PHASES,
+    ArtifactRecord,
+    ArtifactState,
+    AuditEntry,
+    ReplicaReport,
+    RolloutRecord,
+    Target,
+    check_observed,
+    utc_now,
+)
+
+Row = Mapping[str, Any]
+Clock = Callable[[], datetime]
+
+_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_ROLLOUT_ID_PREFIX: Final = "ro-"
+
+_TARGET_SELECT: Final = """
+    SELECT t.model, t.environment, t.cohort, t.revision, t.artifact_id, t.updated_at,
+           a.manifest_uri, a.manifest_sha256, a.feature_schema
+    FROM deployment_target t
+    JOIN model_artifact a ON a.model = t.model AND a.artifact_id = t.artifact_id
+"""
+
+
+class Tx(Protocol):
+    """One open transaction. Statements use ``?`` placeholders."""
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Execute; return the number of rows affected."""
+        ...
+
+    def script(self, sql: str) -> None:
+        """Execute a migration file (several statements, no parameters)."""
+        ...
+
+
+def migrations(dialect: str) -> list[tuple[int, str, str]]:
+    """(version, file name, SQL) of the packaged migrations for ``dialect``, in order."""
+    found = []
+    for entry in (resources.files("app.registry") / "migrations" / dialect).iterdir():
+        match = _MIGRATION_NAME.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
+    found.sort()
+    versions = [v for v, _, _ in found]
+    if versions != list(range(1, len(versions) + 1)):
+        raise RuntimeError(f"{dialect} migrations are not numbered 1..n: {versions}")
+    return found
+
+
+def _require_aware(value: datetime, what: str) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{what} must be a timezone-aware datetime, got {value!r}")
+    return value
+
+
+def _require_cohort(cohort: str) -> None:
+    if cohort not in COHORTS:
+        raise ValueError(f"cohort must be one of {', '.join(COHORTS)}, got {cohort!r}")
+
+
+def _key(model: str, env: str, cohort: str) -> str:
+    return f"{model}/{env}/{cohort}"
+
+
+class SqlRegistry(ABC):
+    """Registry operations over :class:`Tx`; subclasses provide the dialect."""
+
+    dialect: str
+    # Appended to a SELECT of an artifact row that a write transaction relies on.
+    share_lock: str = ""
+    update_lock: str = ""
+
+    def __init__(self, *, clock: Clock = utc_now) -> None:
+        self._clock = clock
+        self._schema_version = 0
+
+    # ---- dialect -------------------------------------------------------------------------
+
+    @abstractmethod
+    def _transaction(self, *, write: bool) -> AbstractContextManager[Tx]:
+        """A transaction that commits on normal exit, rolls back on an exception and
+        translates driver errors (the backend's ``_map_db_errors``). ``write`` transactions
+        serialise against each other where the backend needs it."""
+
+    @abstractmethod
+    def _lock_migrations(self, tx: Tx) -> None: ...
+
+    @abstractmethod
+    def _schema_version_ddl(self) -> str: ...
+
+    @abstractmethod
+    def _ts_param(self, value: datetime) -> Any: ...
+
+    @abstractmethod
+    def _ts_value(self, raw: Any) -> datetime: ...
+
+    @abstractmethod
+    def _json_param(self, value: Any) -> Any: ...
+
+    @abstractmethod
+    def _json_value(self, raw: Any) -> Any: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        return self._schema_version
+
+    def _migrate(self) -> None:
+        """Apply pending migrations under the migration lock; refuse a newer schema."""
+        known = migrations(self.dialect)
+        latest = known[-1][0] if known else 0
+        with self._transaction(write=True) as tx:
+            self._lock_migrations(tx)
+            tx.script(self._schema_version_ddl())
+            row = tx.one("SELECT MAX(version) AS version FROM schema_version")
+            current = int(row["version"]) if row and row["version"] is not None else 0
+            if current > latest:
+                raise SchemaVersionError(
+                    f"the registry database has schema version {current}, newer than this code "
+                    f"knows (up to {latest}); upgrade the code before using this database",
+                    database_version=current,
+                    known_version=latest,
+                )
+            for version, name, sql in known:
+                if version > current:
+                    tx.script(sql)
+                    tx.run(
+                        "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
+                        (version, name, self._ts_param(self._clock())),
+                    )
+        self._schema_version = latest
+
+    # ---- rows -> records -----------------------------------------------------------------
+
+    def _optional_ts(self, raw: Any) -> datetime | None:
+        return None if raw is None else self._ts_value(raw)
+
+    def _artifact(self, row: Row) -> ArtifactRecord:
+        return ArtifactRecord(
+            model=row["model"],
+            artifact_id=row["artifact_id"],
+            manifest_uri=row["manifest_uri"],
+            manifest_sha256=row["manifest_sha256"],
+            state=row["state"],
+            feature_schema=row["feature_schema"],
+            runtime=row["runtime"],
+            metadata=self._json_value(row["metadata"]),
+            created_at=self._ts_value(row["created_at"]),
+            updated_at=self._ts_value(row["updated_at"]),
+            state_actor=row["state_actor"],
+            state_reason=row["state_reason"],
+        )
+
+    def _target(self, row: Row) -> Target:
+        return Target(
+            model=row["model"],
+            environment=row["environment"],
+            cohort=row["cohort"],
+            revision=int(row["revision"]),
+            artifact_id=row["artifact_id"],
+            manifest_uri=row["manifest_uri"],
+            manifest_sha256=row["manifest_sha256"],
+            feature_schema=row["feature_schema"],
+            updated_at=self._ts_value(row["updated_at"]),
+        )
+
+    def _audit(self, row: Row) -> AuditEntry:
+        return AuditEntry(
+            id=int(row["id"]),
+            model=row["model"],
+            environment=row["environment"],
+            cohort=row["cohort"],
+            old_artifact_id=row["old_artifact_id"],
+            new_artifact_id=row["new_artifact_id"],
+            old_revision=int(row["old_revision"]),
+            new_revision=int(row["new_revision"]),
+            actor=row["actor"],
+            reason=row["reason"],
+            approval=row["approval"],
+            at=self._ts_value(row["at"]),
+        )
+
+    def _rollout(self, row: Row) -> RolloutRecord:
+        return RolloutRecord(
+            id=row["id"],
+            model=row["model"],
+            environment=row["environment"],
+            candidate_artifact_id=row["candidate_artifact_id"],
+            baseline_artifact_id=row["baseline_artifact_id"],
+            plan=self._json_value(row["plan"]),
+            phase=row["phase"],
+            step=int(row["step"]),
+            weights=self._json_value(row["weights"]),
+            verdicts=self._json_value(row["verdicts"]),
+            state=self._json_value(row["state"]),
+            reason=row["reason"],
+            version=int(row["version"]),
+            created_at=self._ts_value(row["created_at"]),
+            updated_at=self._ts_value(row["updated_at"]),
+            finished_at=self._optional_ts(row["finished_at"]),
+        )
+
+    def _replica(self, row: Row) -> ReplicaReport:
+        def opt_int(value: Any) -> int | None:
+            return None if value is None else int(value)
+
+        return ReplicaReport(
+            replica_id=row["replica_id"],
+            model=row["model"],
+            environment=row["environment"],
+            cohort=row["cohort"],
+            state=row["state"],
+            heartbeat_at=self._ts_value(row["heartbeat_at"]),
+            desired_revision=opt_int(row["desired_revision"]),
+            desired_artifact_id=row["desired_artifact_id"],
+            actual_revision=opt_int(row["actual_revision"]),
+            actual_artifact_id=row["actual_artifact_id"],
+            last_error=row["last_error"],
+            capacity=self._json_value(row["capacity"]),
+            timings=self._json_value(row["timings"]),
+        )
+
+    # ---- artifacts -----------------------------------------------------------------------
+
+    def register_artifact(
+        self,
+        manifest_uri: str,
+        manifest_sha256: str,
+        *,
+        state: ArtifactState = "pending",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ArtifactRecord:
+        if state not in ("pending", "ready"):
+            raise ValueError(f"an artifact is registered as pending or ready, not {state!r}")
+        digest = manifest_sha256.strip().lower()
+        if not is_sha256_hex(digest):
+            raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
+        # Outside the transaction: reading the manifest may be a network round trip.
+        manifest = fetch_manifest(manifest_uri, digest)
+        merged = {**manifest.metadata, **(metadata or {})}
+        now = self._ts_param(self._clock())
+        with self._transaction(write=True) as tx:
+            row = tx.one(
+                """
+                INSERT INTO model_artifact (model, artifact_id, manifest_uri, manifest_sha256,
+                    state, feature_schema, runtime, metadata, created_at, updated_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                ON CONFLICT (model, artifact_id) DO NOTHING
+                RETURNING *
+                """,
+                (
+                    manifest.model,
+                    manifest.artifact_id,
+                    manifest_uri,
+                    digest,
+                    state,
+                    manifest.feature_schema,
+                    manifest.runtime,
+                    self._json_param(merged),
+                    now,
+                    now,
+                ),
+            )
+            if row is None:
+                row = self._artifact_row(tx, manifest.model, manifest.artifact_id)
+                if row["manifest_sha256"] != digest:
+                    raise DigestMismatch(
+                        f"artifact {manifest.model}/{manifest.artifact_id} is registered with "
+                        f"manifest sha256 {row['manifest_sha256']}, not {digest}; artifacts are "
+                        "immutable: pack the new content under a new artifact id",
+                        model=manifest.model,
+                        artifact_id=manifest.artifact_id,
+                    )
+        return self._artifact(row)
+
+    def _artifact_row(self, tx: Tx, model: str, artifact_id: str, lock: str = "") -> Row:
+        row = tx.one(
+            f"SELECT * FROM model_artifact WHERE model = ? AND artifact_id = ?{lock}",
+            (model, artifact_id),
+        )
+        if row is None:
+            raise NotFound(
+                f"artifact {model}/{artifact_id} is not registered",
+                model=model,
+                artifact_id=artifact_id,
+            )
+        return row
+
+    def get_artifact(self, model: str, artifact_id: str) -> ArtifactRecord:
+        with self._transaction(write=False) as tx:
+            return self._artifact(self._artifact_row(tx, model, artifact_id))
+
+    def list_artifacts(self, model: str) -> list[ArtifactRecord]:
+        with self._transaction(write=False) as tx:
+            rows = tx.all(
+                "SELECT * FROM model_artifact WHERE model = ? ORDER BY created_at, artifact_id",
+                (model,),
+            )
+        return [self._artifact(r) for r in rows]
+
+    def _set_artifact_state(
+        self, tx: Tx, model: str, artifact_id: str, state: str, actor: str, reason: str | None
+    ) -> Row:
+        row = tx.one(
+            """
+            UPDATE model_artifact SET state = ?, state_actor = ?, state_reason = ?, updated_at = ?
+            WHERE model = ? AND artifact_id = ?
+            RETURNING *
+            """,
+            (state, actor, reason, self._ts_param(self._clock()), model, artifact_id),
+        )
+        assert row is not None, "the row was locked by this transaction"
+        return row
+
+    def approve_artifact(
+        self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
+    ) -> ArtifactRecord:
+        with self._transaction(write=True) as tx:
+            row = self._artifact_row(tx, model, artifact_id, self.update_lock)
+            if row["state"] == "rejected":
+                raise InvalidState(
+                    f"artifact {model}/{artifact_id} was rejected"
+                    + (f" ({row['state_reason']})" if row["state_reason"] else "")
+                    + "; a rejected artifact is never approved again",
+                    model=model,
+                    artifact_id=artifact_id,
+                )
+            if row["state"] != "ready":
+                row = self._set_artifact_state(tx, model, artifact_id, "ready", actor, reason)
+        return self._artifact(row)
+
+    def reject_artifact(
+        self, model: str, artifact_id: str, *, actor: str, reason: str
+    ) -> ArtifactRecord:
+        with self._transaction(write=True) as tx:
+            row = self._artifact_row(tx, model, artifact_id, self.update_lock)
+            if row["state"] != "rejected":
+                targeted = tx.all(
+                    "SELECT environment, cohort, revision FROM deployment_target "
+                    "WHERE model = ? AND artifact_id = ? ORDER BY environment, cohort",
+                    (model, artifact_id),
+                )
+                if targeted:
+                    where = ", ".join(
+                        f"{t['environment']}/{t['cohort']}@{t['revision']}" for t in targeted
+                    )
+                    raise InvalidState(
+                        f"artifact {model}/{artifact_id} is the current target of {where}; "
+                        "publish another artifact there before rejecting it",
+                        model=model,
+                        artifact_id=artifact_id,
+                    )
+                row = self._set_artifact_state(tx, model, artifact_id, "rejected", actor, reason)
+        return self._artifact(row)
+
+    # ---- targets -------------------------------------------------------------------------
+
+    def _target_in(self, tx: Tx, model: str, env: str, cohort: str) -> Target | None:
+        row = tx.one(
+            _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ? AND t.cohort = ?",
+            (model, env, cohort),
+        )
+        return None if row is None else self._target(row)
+
+    def get_target(
+        self, model: str, env: str, cohort: str, *, observed: Target | None = None
+    ) -> Target:
+        _require_cohort(cohort)
+        with self._transaction(write=False) as tx:
+            target = self._target_in(tx, model, env, cohort)
+        if target is None:
+            raise NotFound(
+                f"{_key(model, env, cohort)} has no target yet", model=model, cohort=cohort
+            )
+        check_observed(observed, target)
+        return target
+
+    def list_targets(self, model: str, env: str) -> list[Target]:
+        with self._transaction(write=False) as tx:
+            rows = tx.all(
+                _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ?"
+                " ORDER BY CASE t.cohort WHEN 'stable' THEN 0 ELSE 1 END",
+                (model, env),
+            )
+        return [self._target(r) for r in rows]
+
+    def publish(
+        self,
+        model: str,
+        env: str,
+        cohort: str,
+        artifact_id: str,
+        expected_revision: int,
+        *,
+        actor: str,
+        reason: str,
+        approval: str | None = None,
+    ) -> Target:
+        _require_cohort(cohort)
+        if expected_revision < 0:
+            raise ValueError(f"expected_revision must be >= 0, got {expected_revision}")
+        if not actor or not reason:
+            raise ValueError("a publish needs an actor and a reason (they go to the audit log)")
+        key = _key(model, env, cohort)
+        now = self._ts_param(self._clock())
+
+        def conflict(current: Target | None) -> RevisionConflict:
+            now_at = "none" if current is None else str(current.revision)
+            return RevisionConflict(
+                f"{key}: expected revision {expected_revision}, current revision is {now_at}",
+                current=current,
+                model=model,
+                cohort=cohort,
+            )
+
+        with self._transaction(write=True) as tx:
+            # FOR SHARE (PostgreSQL): a concurrent reject waits until this publish is done.
+            artifact = self._artifact_row(tx, model, artifact_id, self.share_lock)
+            if artifact["state"] != "ready":
+                raise InvalidState(
+                    f"artifact {model}/{artifact_id} is {artifact['state']}, not ready; "
+                    "approve it before publishing",
+                    model=model,
+                    artifact_id=artifact_id,
+                )
+            current = self._target_in(tx, model, env, cohort)
+            if expected_revision == 0:
+                if current is not None:
+                    raise conflict(current)
+                # A concurrent creator that commits first makes this insert do nothing (on
+                # PostgreSQL it waits for that commit): a lost race, never a unique violation.
+                row = tx.one(
+                    """
+                    INSERT INTO deployment_target
+                        (model, environment, cohort, revision, artifact_id, updated_at)
+                    VALUES (?, ?, ?, 1, ?, ?)
+                    ON CONFLICT (model, environment, cohort) DO NOTHING
+                    RETURNING revision, updated_at
+                    """,
+                    (model, env, cohort, artifact_id, now),
+                )
+                old_artifact = None
+            else:
+                if current is None or current.revision != expected_revision:
+                    raise conflict(current)
+                row = tx.one(
+                    """
+                    UPDATE deployment_target
+                    SET artifact_id = ?, revision = revision + 1, updated_at = ?
+                    WHERE model = ? AND environment = ? AND cohort = ? AND revision = ?
+                    RETURNING revision, updated_at
+                    """,
+                    (artifact_id, now, model, env, cohort, expected_revision),
+                )
+                # The row still had expected_revision, so nothing changed it since the read
+                # above: that read's artifact is the one replaced.
+                old_artifact = current.artifact_id
+            if row is None:
+                raise conflict(self._target_in(tx, model, env, cohort))
+            new_revision = int(row["revision"])
+            tx.run(
+                """
+                INSERT INTO target_audit (model, environment, cohort, old_artifact_id,
+                    new_artifact_id, old_revision, new_revision, actor, reason, approval, at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                """,
+                (
+                    model,
+                    env,
+                    cohort,
+                    old_artifact,
+                    artifact_id,
+                    expected_revision,
+                    new_revision,
+                    actor,
+                    reason,
+                    approval,
+                    now,
+                ),
+            )
+            return Target(
+                model=model,
+                environment=env,
+                cohort=cohort,
+                revision=new_revision,
+                artifact_id=artifact_id,
+                manifest_uri=artifact["manifest_uri"],
+                manifest_sha256=artifact["manifest_sha256"],
+                feature_schema=artifact["feature_schema"],
+                updated_at=self._ts_value(row["updated_at"]),
+            )
+
+    def history(
+        self, model: str, env: str, *, cohort: str | None = None, limit: int = 100
+    ) -> list[AuditEntry]:
+        sql = "SELECT * FROM target_audit WHERE model = ? AND environment = ?"
+        params: list[Any] = [model, env]
+        if cohort is not None:
+            _require_cohort(cohort)
+            sql += " AND cohort = ?"
+            params.append(cohort)
+        sql += " ORDER BY id DESC LIMIT ?"
+        params.append(limit)
+        with self._transaction(write=False) as tx:
+            rows = tx.all(sql, params)
+        return [self._audit(r) for r in rows]
+
+    # ---- rollouts ------------------------------------------------------------------------
+
+    def _active_rollout_in(self, tx: Tx, model: str, env: str) -> RolloutRecord | None:
+        row = tx.one(
+            "SELECT * FROM rollout WHERE model = ? AND environment = ? AND finished_at IS NULL",
+            (model, env),
+        )
+        return None if row is None else self._rollout(row)
+
+    def _rollout_row(self, tx: Tx, rollout_id: str) -> Row:
+        row = tx.one("SELECT * FROM rollout WHERE id = ?", (rollout_id,))
+        if row is None:
+            raise NotFound(f"rollout {rollout_id} does not exist", rollout_id=rollout_id)
+        return row
+
+    def create_rollout(
+        self,
+        model: str,
+        env: str,
+        *,
+        candidate_artifact_id: str,
+        baseline_artifact_id: str | None,
+        plan: Mapping[str, Any],
+        phase: str = "pending",
+        weights: Mapping[str, Any] | None = None,
+        rollout_id: str | None = None,
+    ) -> RolloutRecord:
+        if phase in TERMINAL_ROLLOUT_PHASES:
+            raise ValueError(f"a rollout cannot start in the terminal phase {phase!r}")
+        rollout_id = rollout_id or f"{_ROLLOUT_ID_PREFIX}{uuid.uuid4().hex[:12]}"
+        now = self._ts_param(self._clock())
+
+        def already_active(active: RolloutRecord) -> InvalidState:
+            return InvalidState(
+                f"rollout {active.id} of {model}/{env} is still active (phase {active.phase}); "
+                "finish or abort it first",
+                model=model,
+                rollout_id=active.id,
+            )
+
+        with self._transaction(write=True) as tx:
+            self._artifact_row(tx, model, candidate_artifact_id)
+            if baseline_artifact_id is not None:
+                self._artifact_row(tx, model, baseline_artifact_id)
+            active = self._active_rollout_in(tx, model, env)
+            if active is not None:
+                raise already_active(active)
+            row = tx.one(
+                """
+                INSERT INTO rollout (id, model, environment, candidate_artifact_id,
+                    baseline_artifact_id, plan, phase, step, weights, verdicts, state, reason,
+                    version, created_at, updated_at, finished_at)
+                VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, NULL, 1, ?, ?, NULL)
+                ON CONFLICT DO NOTHING
+                RETURNING *
+                """,
+                (
+                    rollout_id,
+                    model,
+                    env,
+                    candidate_artifact_id,
+                    baseline_artifact_id,
+                    self._json_param(dict(plan)),
+                    phase,
+                    self._json_param(dict(weights or {})),
+                    self._json_param([]),
+                    self._json_param({}),
+                    now,
+                    now,
+                ),
+            )
+            if row is None:
+                # Lost to a concurrent creator (the one-active index) or a reused id.
+                active = self._active_rollout_in(tx, model, env)
+                if active is not None:
+                    raise already_active(active)
+                raise InvalidState(f"rollout id {rollout_id} is taken", rollout_id=rollout_id)
+        return self._rollout(row)
+
+    def update_rollout(
+        self,
+        rollout_id: str,
+        *,
+        expected_version: int,
+        phase: str | None = None,
+        step: int | None = None,
+        weights: Mapping[str, Any] | None = None,
+        verdicts: Sequence[Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+        reason: str | None = None,
+    ) -> RolloutRecord:
+        with self._transaction(write=True) as tx:
+            current = self._rollout(self._rollout_row(tx, rollout_id))
+            if current.finished_at is not None:
+                raise InvalidState(
+                    f"rollout {rollout_id} is finished (phase {current.phase}) and cannot change",
+                    rollout_id=rollout_id,
+                )
+            if current.version != expected_version:
+                raise RevisionConflict(
+                    f"rollout {rollout_id}: expected version {expected_version}, "
+                    f"current version is {current.version}",
+                    current=current,
+                    rollout_id=rollout_id,
+                )
+            new_phase = current.phase if phase is None else phase
+            now = self._clock()
+            finished = self._ts_param(now) if new_phase in TERMINAL_ROLLOUT_PHASES else None
+            row = tx.one(
+                """
+                UPDATE rollout
+                SET phase = ?, step = ?, weights = ?, verdicts = ?, state = ?, reason = ?,
+                    version = version + 1, updated_at = ?, finished_at = ?
+                WHERE id = ? AND version = ?
+                RETURNING *
+                """,
+                (
+                    new_phase,
+                    current.step if step is None else step,
+                    self._json_param(current.weights if weights is None else dict(weights)),
+                    self._json_param(current.verdicts if verdicts is None else list(verdicts)),
+                    self._json_param(current.state if state is None else dict(state)),
+                    current.reason if reason is None else reason,
+                    self._ts_param(now),
+                    finished,
+                    rollout_id,
+                    expected_version,
+                ),
+            )
+            if row is None:
+                latest = self._rollout(self._rollout_row(tx, rollout_id))
+                raise RevisionConflict(
+                    f"rollout {rollout_id}: expected version {expected_version}, "
+                    f"current version is {latest.version}",
+                    current=latest,
+                    rollout_id=rollout_id,
+                )
+        return self._rollout(row)
+
+    def get_rollout(self, rollout_id: str) -> RolloutRecord:
+        with self._transaction(write=False) as tx:
+            return self._rollout(self._rollout_row(tx, rollout_id))
+
+    def get_active_rollout(self, model: str, env: str) -> RolloutRecord | None:
+        with self._transaction(write=False) as tx:
+            return self._active_rollout_in(tx, model, env)
+
+    def list_rollouts(
+        self, model: str | None = None, env: str | None = None, *, limit: int = 50
+    ) -> list[RolloutRecord]:
+        clauses, params = [], []
+        if model is not None:
+            clauses.append("model = ?")
+            params.append(model)
+        if env is not None:
+            clauses.append("environment = ?")
+            params.append(env)
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        with self._transaction(write=False) as tx:
+            rows = tx.all(
+                f"SELECT * FROM rollout{where} ORDER BY created_at DESC, id DESC LIMIT ?",
+                [*params, limit],
+            )
+        return [self._rollout(r) for r in rows]
+
+    # ---- replica reports -----------------------------------------------------------------
+
+    def upsert_replica_report(self, report: ReplicaReport) -> None:
+        _require_cohort(report.cohort)
+        heartbeat = _require_aware(report.heartbeat_at, "heartbeat_at")
+        with self._transaction(write=True) as tx:
+            tx.run(
+                """
+                INSERT INTO replica_report (replica_id, model, environment, cohort, state,
+                    desired_revision, desired_artifact_id, actual_revision, actual_artifact_id,
+                    last_error, heartbeat_at, capacity, timings)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                ON CONFLICT (replica_id) DO UPDATE SET
+                    model = excluded.model, environment = excluded.environment,
+                    cohort = excluded.cohort, state = excluded.state,
+                    desired_revision = excluded.desired_revision,
+                    desired_artifact_id = excluded.desired_artifact_id,
+                    actual_revision = excluded.actual_revision,
+                    actual_artifact_id = excluded.actual_artifact_id,
+                    last_error = excluded.last_error, heartbeat_at = excluded.heartbeat_at,
+                    capacity = excluded.capacity, timings = excluded.timings
+                """,
+                (
+                    report.replica_id,
+                    report.model,
+                    report.environment,
+                    report.cohort,
+                    report.state,
+                    report.desired_revision,
+                    report.desired_artifact_id,
+                    report.actual_revision,
+                    report.actual_artifact_id,
+                    report.last_error,
+                    self._ts_param(heartbeat),
+                    self._json_param(dict(report.capacity)),
+                    self._json_param(dict(report.timings)),
+                ),
+            )
+
+    def list_replica_reports(
+        self, model: str, env: str, *, cohort: str | None = None
+    ) -> list[ReplicaReport]:
+        sql = "SELECT * FROM replica_report WHERE model = ? AND environment = ?"
+        params: list[Any] = [model, env]
+        if cohort is not None:
+            _require_cohort(cohort)
+            sql += " AND cohort = ?"
+            params.append(cohort)
+        with self._transaction(write=False) as tx:
+            rows = tx.all(sql + " ORDER BY replica_id", params)
+        return [self._replica(r) for r in rows]
+
+    def list_stale_replicas(
+        self, model: str, env: str, *, older_than_s: float, now: datetime
+    ) -> list[ReplicaReport]:
+        cutoff = _require_aware(now, "now") - timedelta(seconds=older_than_s)
+        with self._transaction(write=False) as tx:
+            rows = tx.all(
+                "SELECT * FROM replica_report WHERE model = ? AND environment = ? "
+                "AND heartbeat_at < ? ORDER BY heartbeat_at, replica_id",
+                (model, env, self._ts_param(cutoff)),
+            )
+        return [self._replica(r) for r in rows]
+
+    def delete_replica_report(self, replica_id: str) -> bool:
+        with self._transaction(write=True) as tx:
+            return tx.run("DELETE FROM replica_report WHERE replica_id = ?", (replica_id,)) > 0

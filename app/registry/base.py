@@ -1,0 +1,327 @@
+"""The model registry's interface: records, the ``Registry`` protocol, and the rules that do
+not depend on a database.
+
+Two ideas carry the design (seeds/000 sections 3.2, 3.3, 7):
+
+- An *artifact* (model + artifact_id, pinned by its manifest's SHA-256) is immutable content.
+  A *target* is a publishing intent per (model, environment, cohort) with a revision that only
+  ever grows. A rollback is a publish of an older artifact at a *higher* revision.
+- Targets move only by compare-and-set on the revision, with an audit row in the same
+  transaction. A lost race is a :class:`~app.errors.RevisionConflict` carrying the target as it
+  is now; the caller re-reads and decides, never writes blindly.
+
+All timestamps are timezone-aware UTC datetimes on both backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Final, Literal, Protocol, Self
+
+from app.errors import ConsistencyError
+
+ArtifactState = Literal["pending", "ready", "rejected"]
+Cohort = Literal["stable", "canary"]
+
+ARTIFACT_STATES: Final[tuple[str, ...]] = ("pending", "ready", "rejected")
+COHORTS: Final[tuple[str, ...]] = ("stable", "canary")
+# Phases after which a rollout is finished: it no longer blocks a new rollout of the same
+# model + environment and refuses further updates. The registry stores phases as plain text;
+# these are the terminal names of rollout/state.py's Phase.
+TERMINAL_ROLLOUT_PHASES: Final[frozenset[str]] = frozenset(
+    {"succeeded", "rolled_back", "failed", "aborted"}
+)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class _Record:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (datetimes as ISO-8601 strings)."""
+        data: dict[str, Any] = _jsonable(dataclasses.asdict(self))  # type: ignore[call-overload]
+        return data
+
+
+@dataclass(frozen=True)
+class ArtifactRecord(_Record):
+    model: str
+    artifact_id: str
+    manifest_uri: str
+    manifest_sha256: str
+    state: str  # ArtifactState
+    feature_schema: str
+    runtime: str
+    metadata: dict[str, Any]  # the manifest's metadata (offline evaluation) plus caller extras
+    created_at: datetime
+    updated_at: datetime
+    state_actor: str | None = None  # who approved / rejected
+    state_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Target(_Record):
+    """What one cohort should serve: everything a replica needs to fetch and verify it."""
+
+    model: str
+    environment: str
+    cohort: str  # Cohort
+    revision: int
+    artifact_id: str
+    manifest_uri: str
+    manifest_sha256: str
+    feature_schema: str
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class AuditEntry(_Record):
+    id: int
+    model: str
+    environment: str
+    cohort: str
+    old_artifact_id: str | None  # None when the publish created the cohort's first target
+    new_artifact_id: str
+    old_revision: int  # 0 when the publish created the cohort's first target
+    new_revision: int
+    actor: str
+    reason: str
+    approval: str | None
+    at: datetime
+
+
+@dataclass(frozen=True)
+class RolloutRecord(_Record):
+    """A rollout as persisted; ``version`` is its compare-and-set counter (starts at 1)."""
+
+    id: str
+    model: str
+    environment: str
+    candidate_artifact_id: str
+    baseline_artifact_id: str | None
+    plan: dict[str, Any]
+    phase: str
+    step: int
+    weights: dict[str, Any]
+    verdicts: list[Any]  # verdict history, oldest first
+    state: dict[str, Any]  # the controller's resumable state, opaque to the registry
+    reason: str | None
+    version: int
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.finished_at is None
+
+
+@dataclass(frozen=True)
+class ReplicaReport(_Record):
+    """What one replica says about itself; upserted by ``replica_id``."""
+
+    replica_id: str
+    model: str
+    environment: str
+    cohort: str
+    state: str
+    heartbeat_at: datetime
+    desired_revision: int | None = None
+    desired_artifact_id: str | None = None
+    actual_revision: int | None = None
+    actual_artifact_id: str | None = None
+    last_error: str | None = None
+    capacity: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # download/verify/load/dry_run/...
+
+
+def check_observed(observed: Target | None, current: Target) -> None:
+    """Refuse a target that contradicts one observed before for the same cohort.
+
+    The same revision with a different artifact, or a revision that went backwards, means
+    the control plane is inconsistent (a restored backup, a hand edit): raise
+    ConsistencyError rather than guess which side is right. A newer revision is fine.
+    """
+    if observed is None:
+        return
+    key = (observed.model, observed.environment, observed.cohort)
+    if key != (current.model, current.environment, current.cohort):
+        raise ValueError(f"observed target is for {key}, current is for another cohort")
+    if current.revision == observed.revision and current.artifact_id != observed.artifact_id:
+        raise ConsistencyError(
+            f"{'/'.join(key)} revision {current.revision} was {observed.artifact_id!r} and is "
+            f"now {current.artifact_id!r}: the same revision must never change its artifact",
+            model=current.model,
+            revision=current.revision,
+        )
+    if current.revision < observed.revision:
+        raise ConsistencyError(
+            f"{'/'.join(key)} revision went back from {observed.revision} to "
+            f"{current.revision}: revisions only ever grow",
+            model=current.model,
+            revision=current.revision,
+        )
+
+
+class Registry(Protocol):
+    """The model registry. Implementations: SqliteRegistry, PostgresRegistry.
+
+    Every method is one transaction. Errors are the typed errors of app/errors.py.
+    Instances are safe to share between threads; open one per process.
+    """
+
+    @property
+    def schema_version(self) -> int: ...
+
+    # Artifacts
+    def register_artifact(
+        self,
+        manifest_uri: str,
+        manifest_sha256: str,
+        *,
+        state: ArtifactState = "pending",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ArtifactRecord:
+        """Read + verify the manifest, then record it; model and artifact_id come from it.
+
+        Same id and digest again: returns the existing record unchanged. Same id, another
+        digest: DigestMismatch. A manifest that fails verification: ArtifactRejected."""
+        ...
+
+    def get_artifact(self, model: str, artifact_id: str) -> ArtifactRecord: ...
+
+    def list_artifacts(self, model: str) -> list[ArtifactRecord]: ...
+
+    def approve_artifact(
+        self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
+    ) -> ArtifactRecord:
+        """pending -> ready (ready stays ready); rejected -> InvalidState."""
+        ...
+
+    def reject_artifact(
+        self, model: str, artifact_id: str, *, actor: str, reason: str
+    ) -> ArtifactRecord:
+        """pending|ready -> rejected; InvalidState while any cohort targets it."""
+        ...
+
+    # Targets
+    def get_target(
+        self, model: str, env: str, cohort: str, *, observed: Target | None = None
+    ) -> Target:
+        """The cohort's current target (NotFound if none). With ``observed``, also
+        :func:`check_observed` against it."""
+        ...
+
+    def list_targets(self, model: str, env: str) -> list[Target]:
+        """Stable first, then canary; cohorts without a target are absent."""
+        ...
+
+    def publish(
+        self,
+        model: str,
+        env: str,
+        cohort: str,
+        artifact_id: str,
+        expected_revision: int,
+        *,
+        actor: str,
+        reason: str,
+        approval: str | None = None,
+    ) -> Target:
+        """Compare-and-set the cohort's target to ``artifact_id`` at expected_revision + 1.
+
+        expected_revision 0 creates the first target (revision 1). The artifact must be
+        ``ready`` (else InvalidState; unknown: NotFound). Lost race: RevisionConflict with
+        ``current`` = the target now (None if absent). One audit row per successful publish."""
+        ...
+
+    def history(
+        self, model: str, env: str, *, cohort: str | None = None, limit: int = 100
+    ) -> list[AuditEntry]:
+        """Audit rows, newest first."""
+        ...
+
+    # Rollouts
+    def create_rollout(
+        self,
+        model: str,
+        env: str,
+        *,
+        candidate_artifact_id: str,
+        baseline_artifact_id: str | None,
+        plan: Mapping[str, Any],
+        phase: str = "pending",
+        weights: Mapping[str, Any] | None = None,
+        rollout_id: str | None = None,
+    ) -> RolloutRecord:
+        """New active rollout (version 1). InvalidState if one is active for model + env;
+        NotFound if an artifact is unknown."""
+        ...
+
+    def update_rollout(
+        self,
+        rollout_id: str,
+        *,
+        expected_version: int,
+        phase: str | None = None,
+        step: int | None = None,
+        weights: Mapping[str, Any] | None = None,
+        verdicts: Sequence[Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+        reason: str | None = None,
+    ) -> RolloutRecord:
+        """Compare-and-set on ``version``: fields given replace the stored ones, version + 1.
+        Lost update: RevisionConflict(current=<record now>). A terminal phase finishes the
+        rollout; a finished rollout refuses updates (InvalidState)."""
+        ...
+
+    def get_rollout(self, rollout_id: str) -> RolloutRecord: ...
+
+    def get_active_rollout(self, model: str, env: str) -> RolloutRecord | None: ...
+
+    def list_rollouts(
+        self, model: str | None = None, env: str | None = None, *, limit: int = 50
+    ) -> list[RolloutRecord]:
+        """Newest first."""
+        ...
+
+    # Replica reports
+    def upsert_replica_report(self, report: ReplicaReport) -> None: ...
+
+    def list_replica_reports(
+        self, model: str, env: str, *, cohort: str | None = None
+    ) -> list[ReplicaReport]: ...
+
+    def list_stale_replicas(
+        self, model: str, env: str, *, older_than_s: float, now: datetime
+    ) -> list[ReplicaReport]:
+        """Reports whose heartbeat is more than ``older_than_s`` seconds before ``now``."""
+        ...
+
+    def delete_replica_report(self, replica_id: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...

@@ -1,0 +1,162 @@
+"""The production registry backend: PostgreSQL through psycopg 3 and a connection pool.
+
+- READ COMMITTED (set on every pooled connection). Under it, a compare-and-set
+  ``UPDATE ... WHERE revision = %s`` that races another one waits for the first to commit,
+  re-checks its WHERE against the committed row and matches nothing: the loser sees zero
+  rows, never a stale success. An ``INSERT ... ON CONFLICT DO NOTHING`` racing an insert of
+  the same key likewise waits and then inserts nothing.
+- Row locks where a decision rests on a row another transaction could change: publish reads
+  the artifact ``FOR SHARE`` (a concurrent reject waits), approve/reject read it
+  ``FOR UPDATE``.
+- Migrations run under a transaction-scoped advisory lock, so concurrent openers of a fresh
+  database apply each migration once.
+- TIMESTAMPTZ (read back as UTC) and JSONB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any, Final
+
+import psycopg
+from psycopg import IsolationLevel, errors
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from app.errors import InvalidState, NotFound, RegistryError, RevisionConflict
+from app.registry._sql import Clock, Row, SqlRegistry, Tx
+from app.registry.base import utc_now
+
+# Key of the advisory lock that serialises migrations (any fixed 64-bit number; "rollout").
+_MIGRATION_LOCK_KEY: Final = 0x726F6C6C6F7574
+DEFAULT_POOL_SIZE: Final = 8
+DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
+
+
+@contextmanager
+def _map_db_errors() -> Iterator[None]:
+    """Translate psycopg errors into the registry's typed errors (most specific first)."""
+    try:
+        yield
+    except errors.ForeignKeyViolation as exc:
+        raise NotFound(f"a referenced record does not exist ({exc.diag.message_detail})") from exc
+    except errors.UniqueViolation as exc:
+        raise RevisionConflict(
+            f"a concurrent writer created the same record ({exc.diag.message_detail})"
+        ) from exc
+    except (errors.CheckViolation, errors.NotNullViolation) as exc:
+        raise InvalidState(f"the registry refused the values: {exc}") from exc
+    except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
+        raise RevisionConflict(f"a concurrent transaction won: {exc}") from exc
+    except PoolTimeout as exc:
+        raise RegistryError(f"no registry database connection available: {exc}") from exc
+    except psycopg.OperationalError as exc:
+        raise RegistryError(f"registry database unavailable: {exc}") from exc
+    except psycopg.Error as exc:
+        raise RegistryError(f"registry database error: {exc}") from exc
+
+
+@lru_cache(maxsize=256)
+def _placeholders(sql: str) -> str:
+    # The shared statements use sqlite's "?"; none of them contains a literal "?" or "%".
+    return sql.replace("?", "%s")
+
+
+class _PostgresTx:
+    def __init__(self, conn: psycopg.Connection[Row]) -> None:
+        self._conn = conn
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        return self._conn.execute(_placeholders(sql), tuple(params)).fetchone()
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return self._conn.execute(_placeholders(sql), tuple(params)).fetchall()
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self._conn.execute(_placeholders(sql), tuple(params)).rowcount
+
+    def script(self, sql: str) -> None:
+        # Without parameters, one execute may carry several statements.
+        self._conn.execute(sql)
+
+
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    conn.isolation_level = IsolationLevel.READ_COMMITTED
+
+
+class PostgresRegistry(SqlRegistry):
+    dialect = "postgres"
+    share_lock = " FOR SHARE"
+    update_lock = " FOR UPDATE"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock = utc_now,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
+        super().__init__(clock=clock)
+        self._url = url
+        self._pool: ConnectionPool[psycopg.Connection[Row]] = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"row_factory": dict_row, "autocommit": False},
+            configure=_configure,
+            timeout=connect_timeout_s,
+            open=False,
+            name="registry",
+        )
+        try:
+            with _map_db_errors():
+                # One direct connection first: an unreachable server fails at once with the
+                # driver's own reason, instead of the pool retrying until its timeout.
+                psycopg.connect(url, connect_timeout=max(1, round(connect_timeout_s))).close()
+                self._pool.open(wait=True, timeout=connect_timeout_s)
+            self._migrate()
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        # Never the URL: it may carry a password.
+        return f"PostgresRegistry(pool={self._pool.name!r})"
+
+    @contextmanager
+    def _transaction(self, *, write: bool) -> Iterator[Tx]:
+        # The pool commits when the block ends normally and rolls back on an exception.
+        with _map_db_errors(), self._pool.connection() as conn:
+            yield _PostgresTx(conn)
+
+    def _lock_migrations(self, tx: Tx) -> None:
+        tx.one("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK_KEY,))
+
+    def _schema_version_ddl(self) -> str:
+        return (
+            "CREATE TABLE IF NOT EXISTS schema_version ("
+            "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL)"
+        )
+
+    def _ts_param(self, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError(f"timestamps must be timezone-aware, got {value!r}")
+        return value.astimezone(UTC)
+
+    def _ts_value(self, raw: Any) -> datetime:
+        value: datetime = raw
+        return value.astimezone(UTC)
+
+    def _json_param(self, value: Any) -> Jsonb:
+        return Jsonb(value)
+
+    def _json_value(self, raw: Any) -> Any:
+        return raw
+
+    def close(self) -> None:
+        self._pool.close()

@@ -1,0 +1,310 @@
+"""``rollout registry ...``: the model registry from the command line.
+
+Tables for people by default, ``--json`` for scripts. Exit codes:
+
+    0  ok
+    1  other registry failure (database unavailable, schema too new, inconsistency)
+    2  usage error (click)
+    3  the manifest was rejected (``rejected: CATEGORY: detail`` on stderr)
+    4  compare-and-set conflict: someone published first; the current revision is printed
+    5  not found, invalid state (e.g. artifact not ready) or digest mismatch
+
+Errors print ``error[<category>]: <message>`` on stderr (and, with ``--json``, an object with
+``error``, ``message`` and, for a conflict, ``current`` on stdout), never a traceback.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import click
+
+from app.errors import ArtifactRejected, RevisionConflict, RolloutSystemError
+from app.manifest import is_sha256_hex
+from app.registry import (
+    COHORTS,
+    DEFAULT_REGISTRY_URL,
+    ArtifactRecord,
+    AuditEntry,
+    Registry,
+    Target,
+    open_registry,
+)
+
+EXIT_FAILURE: Final = 1
+EXIT_REJECTED: Final = 3
+EXIT_CONFLICT: Final = 4
+EXIT_NOT_FOUND: Final = 5
+_EXIT_BY_CATEGORY: Final = {
+    "registry.conflict": EXIT_CONFLICT,
+    "registry.not_found": EXIT_NOT_FOUND,
+    "registry.invalid_state": EXIT_NOT_FOUND,
+    "registry.digest_mismatch": EXIT_NOT_FOUND,
+}
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@]+):[^@/]*@")
+
+
+def redact_url(url: str) -> str:
+    return _PASSWORD_IN_URL.sub(r"\1:***@", url)
+
+
+def _default_actor() -> str:
+    try:
+        return os.environ.get("ROLLOUT_ACTOR") or getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+@dataclass
+class _Session:
+    ctx: click.Context
+    db_url: str
+    model: str
+    env: str
+    as_json: bool
+    _registry: Registry | None = field(default=None, repr=False)
+
+    @property
+    def registry(self) -> Registry:
+        # Opened on first use, so `--help` never touches a database.
+        if self._registry is None:
+            self._registry = open_registry(self.db_url)
+            self.ctx.call_on_close(self._registry.close)
+        return self._registry
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    if not rows:
+        click.echo("(none)")
+
+
+def _print_json(payload: Any) -> None:
+    click.echo(json.dumps(payload, indent=2, sort_keys=True))
+
+
+def _ts(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> None:
+    if session.as_json:
+        _print_json([r.to_dict() for r in records])
+        return
+    _print_table(
+        ["model", "artifact", "state", "manifest_sha256", "feature_schema", "created"],
+        [
+            (r.model, r.artifact_id, r.state, r.manifest_sha256[:16], r.feature_schema,
+             _ts(r.created_at))
+            for r in records
+        ],
+    )  # fmt: skip
+
+
+def _show_targets(session: _Session, targets: Sequence[Target]) -> None:
+    if session.as_json:
+        _print_json([t.to_dict() for t in targets])
+        return
+    _print_table(
+        ["cohort", "revision", "artifact", "manifest_sha256", "updated"],
+        [
+            (t.cohort, t.revision, t.artifact_id, t.manifest_sha256[:16], _ts(t.updated_at))
+            for t in targets
+        ],
+    )
+
+
+def _show_history(session: _Session, entries: Sequence[AuditEntry]) -> None:
+    if session.as_json:
+        _print_json([e.to_dict() for e in entries])
+        return
+    _print_table(
+        ["at", "cohort", "revision", "from", "to", "actor", "reason", "approval"],
+        [
+            (_ts(e.at), e.cohort, f"{e.old_revision}->{e.new_revision}", e.old_artifact_id,
+             e.new_artifact_id, e.actor, e.reason, e.approval)
+            for e in entries
+        ],
+    )  # fmt: skip
+
+
+class _RegistryGroup(click.Group):
+    """Turns the project's typed errors into one line on stderr and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ArtifactRejected as exc:
+            click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
+            _json_error(ctx, exc)
+            ctx.exit(EXIT_REJECTED)
+        except RolloutSystemError as exc:
+            # A RevisionConflict's message names the current revision already.
+            click.echo(f"error[{exc.category}]: {exc}", err=True)
+            _json_error(ctx, exc)
+            ctx.exit(_EXIT_BY_CATEGORY.get(exc.category, EXIT_FAILURE))
+
+
+def _json_error(ctx: click.Context, exc: RolloutSystemError) -> None:
+    session = ctx.find_object(_Session)
+    if session is None or not session.as_json:
+        return
+    payload: dict[str, Any] = {"error": exc.category, "message": str(exc)}
+    if isinstance(exc, RevisionConflict):
+        current = exc.current
+        payload["current"] = current.to_dict() if hasattr(current, "to_dict") else None
+    _print_json(payload)
+
+
+def _check_sha256(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if not is_sha256_hex(value.strip().lower()):
+        raise click.BadParameter("must be 64 hex characters (the manifest's SHA-256)")
+    return value.strip().lower()
+
+
+_actor_option = click.option(
+    "--actor",
+    default=_default_actor,
+    show_default="$ROLLOUT_ACTOR or the login name",
+    help="Who does this (recorded).",
+)
+
+
+@click.group("registry", cls=_RegistryGroup)
+@click.option(
+    "--db",
+    "db_url",
+    envvar="ROLLOUT_DB",
+    default=DEFAULT_REGISTRY_URL,
+    show_default=True,
+    help="Registry URL: postgresql://... or sqlite:///path (env: ROLLOUT_DB).",
+)
+@click.option("--model", default="ranker", show_default=True, help="Model name.")
+@click.option("--env", "env", default="default", show_default=True, help="Environment name.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output.")
+@click.pass_context
+def registry_group(ctx: click.Context, db_url: str, model: str, env: str, as_json: bool) -> None:
+    """The model registry: artifacts, per-cohort targets (compare-and-set), audit history."""
+    ctx.obj = _Session(ctx=ctx, db_url=db_url, model=model, env=env, as_json=as_json)
+
+
+@registry_group.command("init")
+@click.pass_obj
+def init_command(session: _Session) -> None:
+    """Create or migrate the registry schema (idempotent)."""
+    version = session.registry.schema_version
+    if session.as_json:
+        _print_json({"db": redact_url(session.db_url), "schema_version": version})
+    else:
+        click.echo(f"registry {redact_url(session.db_url)} at schema version {version}")
+
+
+@registry_group.command("register")
+@click.argument("manifest_uri")
+@click.option("--sha256", "sha256", required=True, callback=_check_sha256,
+              help="Pinned SHA-256 of the manifest bytes.")  # fmt: skip
+@click.option("--ready", is_flag=True, help="Register as ready (skip the approval step).")
+@click.pass_obj
+def register_command(session: _Session, manifest_uri: str, sha256: str, ready: bool) -> None:
+    """Register the artifact whose manifest is at MANIFEST_URI.
+
+    Model and artifact id come from the manifest (not from --model). Registering the same
+    artifact with the same digest again is a no-op."""
+    record = session.registry.register_artifact(
+        manifest_uri, sha256, state="ready" if ready else "pending"
+    )
+    _show_artifacts(session, [record])
+
+
+@registry_group.command("approve")
+@click.argument("artifact_id")
+@click.option("--reason", default=None, help="Why (recorded).")
+@_actor_option
+@click.pass_obj
+def approve_command(session: _Session, artifact_id: str, reason: str | None, actor: str) -> None:
+    """Mark a pending artifact ready to publish."""
+    record = session.registry.approve_artifact(
+        session.model, artifact_id, actor=actor, reason=reason
+    )
+    _show_artifacts(session, [record])
+
+
+@registry_group.command("reject")
+@click.argument("artifact_id")
+@click.option("--reason", required=True, help="Why (recorded).")
+@_actor_option
+@click.pass_obj
+def reject_command(session: _Session, artifact_id: str, reason: str, actor: str) -> None:
+    """Mark an artifact rejected: it can never be published."""
+    record = session.registry.reject_artifact(
+        session.model, artifact_id, actor=actor, reason=reason
+    )
+    _show_artifacts(session, [record])
+
+
+@registry_group.command("artifacts")
+@click.pass_obj
+def artifacts_command(session: _Session) -> None:
+    """List the model's artifacts."""
+    _show_artifacts(session, session.registry.list_artifacts(session.model))
+
+
+@registry_group.command("targets")
+@click.pass_obj
+def targets_command(session: _Session) -> None:
+    """Show what each cohort should serve, with its revision."""
+    _show_targets(session, session.registry.list_targets(session.model, session.env))
+
+
+@registry_group.command("publish")
+@click.argument("cohort", type=click.Choice(COHORTS))
+@click.argument("artifact_id")
+@click.option("--expected-revision", type=click.IntRange(min=0), required=True,
+              help="The revision you read; 0 creates the cohort's first target.")  # fmt: skip
+@click.option("--reason", required=True, help="Why (recorded in the audit log).")
+@click.option("--approval", default=None, help="Approval reference (ticket, reviewer).")
+@_actor_option
+@click.pass_obj
+def publish_command(
+    session: _Session,
+    cohort: str,
+    artifact_id: str,
+    expected_revision: int,
+    reason: str,
+    approval: str | None,
+    actor: str,
+) -> None:
+    """Point COHORT at ARTIFACT_ID, if its revision is still --expected-revision.
+
+    On a conflict (exit 4) nothing changed: re-read `targets` and decide again."""
+    target = session.registry.publish(
+        session.model,
+        session.env,
+        cohort,
+        artifact_id,
+        expected_revision,
+        actor=actor,
+        reason=reason,
+        approval=approval,
+    )
+    _show_targets(session, [target])
+
+
+@registry_group.command("history")
+@click.option("--cohort", type=click.Choice(COHORTS), default=None, help="Only this cohort.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.pass_obj
+def history_command(session: _Session, cohort: str | None, limit: int) -> None:
+    """The target audit log, newest first."""
+    entries = session.registry.history(session.model, session.env, cohort=cohort, limit=limit)
+    _show_history(session, entries)
