@@ -1,0 +1,59 @@
+"""The Grafana dashboard and Prometheus config name only metrics the service exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from app import telemetry
+
+ROOT = Path(__file__).resolve().parents[2] / "configs" / "observability"
+KINDS = {
+    telemetry.ROUTER_REQUESTS: "counter",
+    telemetry.ROUTER_LATENCY_MS: "histogram",
+    telemetry.ROUTER_FAILOVERS: "counter",
+    telemetry.ROUTER_REJECTIONS: "counter",
+    telemetry.ROUTER_IN_FLIGHT: "gauge",
+    telemetry.ROUTER_CANARY_WEIGHT_BP: "gauge",
+    telemetry.REPLICA_DESIRED_REVISION: "gauge",
+    telemetry.REPLICA_ACTUAL_REVISION: "gauge",
+    telemetry.REPLICA_LOAD_STAGE_S: "histogram",
+    telemetry.REPLICA_LOAD_FAILURES: "counter",
+}
+RAY_BUILTINS = {"ray_serve_deployment_replica_healthy"}
+
+
+def exported_series() -> set[str]:
+    names = set(RAY_BUILTINS)
+    for name, kind in KINDS.items():
+        base = telemetry.exported_name(name, kind=kind)
+        names.add(base)
+        if kind == "histogram":
+            names.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})
+    return names
+
+
+def test_dashboard_queries_use_exported_metrics_only():
+    dashboard = json.loads((ROOT / "grafana-rollout-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    known = exported_series()
+    used = set()
+    for expr in exprs:
+        for name in re.findall(r"\b(ray_[a-z_]+)\b", expr):
+            assert name in known, f"{name} in {expr!r} is not exported by the service"
+            used.add(name)
+    # Everything the controller judges is on the dashboard.
+    assert telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter") in used
+    assert (
+        telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram") + "_bucket" in used
+    )
+
+
+def test_prometheus_config_uses_rays_service_discovery_file():
+    config = yaml.safe_load((ROOT / "prometheus.yml").read_text())
+    files = config["scrape_configs"][0]["file_sd_configs"][0]["files"]
+    assert files == ["/tmp/ray/prom_metrics_service_discovery.json"]
