@@ -517,6 +517,9 @@ def _register_subcommands() -> None:
     except ImportError:  # pragma: no cover - during bootstrap only
         return
     cli.add_command(registry_group, "registry")
+    from rollout.demo import demo_command
+
+    cli.add_command(demo_command, "demo")
 
 
 _register_subcommands()
@@ -537,7 +540,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
         return EXIT_REJECTED
     except RolloutSystemError as exc:
-        click.echo(f"error[{exc.category}]: {exc}", err=True)
+        # Raised inside the controller actor, it arrives as Ray's RayTaskError subclass of
+        # the same type, whose str() carries the remote traceback: show the cause's message.
+        cause = getattr(exc, "cause", None)
+        message = str(cause) if isinstance(cause, RolloutSystemError) else str(exc)
+        click.echo(f"error[{exc.category}]: {message}", err=True)
         return exit_code_for(exc)
     except OSError as exc:
         click.echo(f"error[io]: {exc}", err=True)

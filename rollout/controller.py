@@ -510,7 +510,7 @@ class RolloutEngine:
             state.rollout_id,
             expected_version=live.version,
             phase=_persisted_phase(state),
-            step=state.step_index,
+            step=state.step_index + 1,  # 1-based step in progress; 0 before the first
             weights=_weights_dict(state.weights),
             verdicts=[
                 {
@@ -575,7 +575,7 @@ class RolloutEngine:
             "pending_gate": st.pending_gate,
             "verdicts": [
                 {"step": v.step_index, "outcome": v.outcome.value, "reasons": list(v.reasons)}
-                for v in st.verdicts[-5:]
+                for v in st.verdicts
             ],
             "events": live.events[-10:],
         }

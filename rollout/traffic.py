@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import math
 import random
 import threading
 import time
@@ -324,11 +325,11 @@ def plot_timeline(
             share_v.append(100.0 * sum(r.cohort == "canary" for r in answered) / len(answered))
         for cohort in ("stable", "canary"):
             values = [r.latency_ms for r in answered if r.cohort == cohort]
-            if values:
-                ts, p50, p99 = lat[cohort]
-                ts.append(lo + bin_s / 2)
-                p50.append(percentile(values, 0.5) or 0.0)
-                p99.append(percentile(values, 0.99) or 0.0)
+            ts, p50, p99 = lat[cohort]
+            ts.append(lo + bin_s / 2)
+            # NaN where a cohort had no traffic: the line breaks instead of bridging the gap.
+            p50.append(percentile(values, 0.5) if values else math.nan)
+            p99.append(percentile(values, 0.99) if values else math.nan)
     failed = [r for r in records if not 200 <= r.status < 300]
 
     fig, (ax_w, ax_l) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
@@ -341,15 +342,18 @@ def plot_timeline(
     ax_w.plot(
         share_t, share_v, ".", color="tab:blue", markersize=4, label="canary share (observed)"
     )
-    for t, label in phases:
+    for i, (t, label) in enumerate(phases):
         for ax in (ax_w, ax_l):
             ax.axvline(t, color="grey", linewidth=0.6, linestyle=":")
-        ax_w.annotate(label, (t, 102), fontsize=7, rotation=30, annotation_clip=False)
+        # Staggered heights keep labels of phases that follow each other quickly readable.
+        ax_w.annotate(label, (t, 103 + 9 * (i % 3)), fontsize=7, annotation_clip=False)
     ax_w.set_ylabel("% of traffic to canary")
     ax_w.set_ylim(-5, 105)
     ax_w.legend(loc="center right", fontsize=8)
     colors = {"stable": "tab:green", "canary": "tab:red"}
     for cohort, (ts, p50, p99) in lat.items():
+        if all(math.isnan(v) for v in p50):
+            continue
         ax_l.plot(ts, p50, "-", color=colors.get(cohort), linewidth=1, label=f"{cohort} p50")
         ax_l.plot(ts, p99, "--", color=colors.get(cohort), linewidth=1, label=f"{cohort} p99")
     if failed:

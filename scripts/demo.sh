@@ -1,20 +1,9 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone on a Debian machine with Python 3.11.
-# Until `rollout demo` (the rollout under load) lands, this runs what exists end to end:
-# write the demo artifacts, then verify + strictly load + dry-run each one.
+# The main job, from a fresh clone on a Debian machine with Python 3.11: sets up .venv, then
+# runs `rollout demo` (local Ray + Serve, SQLite registry, local artifact store, a full
+# rollout of ranker-v42 under load, promotion, rollback to ranker-v41, summary + timeline).
+# Extra arguments go to `rollout demo` (e.g. --rate 60, --workdir /tmp/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-ROLLOUT=.venv/bin/rollout
-if $ROLLOUT demo --help >/dev/null 2>&1; then
-    exec $ROLLOUT demo "$@"
-fi
-echo "rollout demo is not available yet: packing and verifying the demo artifacts instead" >&2
-mkdir -p var
-rm -rf var/demo-artifacts
-$ROLLOUT make-demo-artifacts var/demo-artifacts | tee var/demo-artifacts.jsonl
-while read -r line; do
-    uri=$(printf '%s' "$line" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["manifest_uri"])')
-    sha=$(printf '%s' "$line" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["manifest_sha256"])')
-    $ROLLOUT verify "$uri" --sha256 "$sha" --cache var/cache --load
-done < var/demo-artifacts.jsonl
+exec .venv/bin/rollout demo "$@"

@@ -1,0 +1,330 @@
+"""``rollout demo``: the whole system on embedded defaults, end to end, under load.
+
+Local Ray + Serve on free ports, an SQLite registry, a local artifact store. It packs and
+registers ranker-v41 and ranker-v42, deploys with v41 stable, drives steady synthetic traffic,
+rolls v42 out step by step with analysis, promotes it, then rolls stable back to v41 on
+request. It prints progress while it runs, then a summary, writes a timeline picture, and ends
+with one JSON line. Exit status 1 if any request failed or the story did not end as told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rollout.traffic import (
+    RequestRecord,
+    TrafficRun,
+    TrafficSpec,
+    cohort_share,
+    plot_timeline,
+    summarize,
+)
+
+CANDIDATE = "ranker-v42"
+BASELINE = "ranker-v41"
+
+DEMO_PLAN: dict[str, Any] = {
+    "steps": [10, 25, 50, 100],
+    "interval_s": 5,
+    "min_requests": 8,
+    "threshold": 3,
+    "progress_deadline_s": 90,
+    "promotion": "shift",
+    # A shared 2-core machine is noisy: absolute ceilings and ratios leave room for that.
+    "checks": {
+        "success_rate_min": 0.99,
+        "p99_max_ms": 2000,
+        "error_rate_max_ratio": 3.0,
+        "error_rate_floor": 0.01,
+        "p99_max_ratio": 3.0,
+        "p99_slack_ms": 100,
+    },
+    "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
+}
+
+
+@dataclass
+class Timeline:
+    """What the demo saw of the controller, on the traffic's clock (seconds since start)."""
+
+    clock: Callable[[], float]
+    weights: list[tuple[float, float]] = field(default_factory=list)
+    phases: list[tuple[float, str]] = field(default_factory=list)
+
+    def observe(self, view: dict[str, Any]) -> bool:
+        now = self.clock()
+        changed = False
+        bp = (view.get("weights") or {}).get("canary_bp", 0)
+        if not self.weights or self.weights[-1][1] != bp / 100:
+            self.weights.append((now, bp / 100))
+            changed = True
+        phase = view.get("phase") or "idle"
+        if phase == "progressing":
+            phase = f"step {view.get('step', 0) + 1} ({view.get('step_percent')}%)"
+        if not self.phases or self.phases[-1][1] != phase:
+            self.phases.append((now, phase))
+            changed = True
+        return changed
+
+    def mark(self, label: str) -> None:
+        self.phases.append((self.clock(), label))
+
+
+def _echo(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, desc: str, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {desc}")
+        time.sleep(every)
+
+
+def step_shares(
+    records: list[RequestRecord], weights: list[tuple[float, float]], settle_s: float = 1.0
+) -> list[dict[str, Any]]:
+    """Observed canary share during each weight segment (after ``settle_s`` of propagation)."""
+    rows = []
+    for i, (start, percent) in enumerate(weights):
+        end = weights[i + 1][0] if i + 1 < len(weights) else float("inf")
+        share = cohort_share(records, start + settle_s, end)
+        n = sum(1 for r in records if start + settle_s <= r.start_s < end and r.cohort)
+        rows.append(
+            {
+                "canary_weight_pct": percent,
+                "from_s": round(start, 1),
+                "to_s": None if end == float("inf") else round(end, 1),
+                "requests": n,
+                "canary_share_pct": round(100 * share.get("canary", 0.0), 1) if n else None,
+            }
+        )
+    return rows
+
+
+def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
+    import ray
+
+    from app.demo_artifacts import make_demo_artifacts
+    from app.registry import open_registry
+    from rollout.controller import CONTROLLER_NAME, ControllerSettings, ensure_controller
+    from rollout.local_cluster import LocalCluster
+
+    started = time.monotonic()
+    workdir = workdir.resolve()
+    if not keep:
+        shutil.rmtree(workdir / "cache", ignore_errors=True)
+        (workdir / "registry.db").unlink(missing_ok=True)
+        for suffix in ("-wal", "-shm"):
+            (workdir / f"registry.db{suffix}").unlink(missing_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    _echo("== packing the demo artifacts")
+    packed = {p.artifact_id: p for p in make_demo_artifacts(workdir / "artifacts")}
+    registry_url = f"sqlite:///{workdir / 'registry.db'}"
+    registry = open_registry(registry_url)
+    for artifact_id in (BASELINE, CANDIDATE):
+        p = packed[artifact_id]
+        registry.register_artifact(p.manifest_uri, p.manifest_sha256)
+        registry.approve_artifact("ranker", artifact_id, actor="demo", reason="offline eval ok")
+        _echo(f"   registered + approved {artifact_id} ({p.manifest_sha256[:12]}...)")
+    stable = registry.publish(
+        "ranker", "default", "stable", BASELINE, 0, actor="demo", reason="initial deploy"
+    )
+
+    _echo("== starting local Ray + Serve")
+    cluster = LocalCluster.start()
+    run: TrafficRun | None = None
+    try:
+        _echo(f"   dashboard {cluster.dashboard_url}   HTTP {cluster.http_url}")
+        cluster.deploy(
+            [
+                {
+                    "name": "ranker",
+                    "route_prefix": "/",
+                    "import_path": "app.main:build_app",
+                    "args": {
+                        "stable": {
+                            "num_replicas": 1,
+                            "target": {
+                                "revision": stable.revision,
+                                "artifact_id": stable.artifact_id,
+                                "manifest_uri": stable.manifest_uri,
+                                "manifest_sha256": stable.manifest_sha256,
+                                "feature_schema": stable.feature_schema,
+                            },
+                        },
+                        "canary": {"num_replicas": 1},
+                        "cache_dir": str(workdir / "cache"),
+                        "controller": {"name": CONTROLLER_NAME, "namespace": "rollout"},
+                        "report_interval_s": 1.0,
+                    },
+                }
+            ]
+        )
+        _echo(f"   deployed: stable {BASELINE} (revision {stable.revision}), canary idle")
+        controller = ensure_controller(
+            ControllerSettings(
+                registry_url=registry_url,
+                dashboard_url=cluster.dashboard_url,
+                metrics_endpoints=(cluster.metrics_url,),
+                tick_interval_s=0.5,
+                metrics_delay_s=1.5,
+                report_stale_s=10,
+            )
+        )
+
+        def status() -> dict[str, Any]:
+            return ray.get(controller.status.remote(), timeout=60)
+
+        _echo(f"== steady traffic: {rate:g} requests/s from 1000 users")
+        run = TrafficRun(
+            TrafficSpec(
+                url=cluster.http_url, rate=rate, concurrency=16, max_requests=100_000,
+                max_seconds=170,
+            )
+        ).start()  # fmt: skip
+        _wait(lambda: len(run.records) >= 20, 60, "first answers")
+        timeline = Timeline(clock=run.now_s)
+        timeline.observe({"weights": {"canary_bp": 0}, "phase": f"stable {BASELINE}"})
+
+        _echo(f"== rollout of {CANDIDATE} (steps {DEMO_PLAN['steps']}%, "
+              f"{DEMO_PLAN['interval_s']}s windows)")  # fmt: skip
+        ray.get(controller.start_rollout.remote(CANDIDATE, DEMO_PLAN, "demo"), timeout=60)
+
+        verdicts_shown = 0
+
+        def progress() -> bool:
+            nonlocal verdicts_shown
+            view = status()
+            if timeline.observe(view):
+                recent = [r for r in run.records if r.start_s >= run.now_s() - 2]
+                share = cohort_share(recent, 0, float("inf")).get("canary", 0.0)
+                failed = sum(1 for r in run.records if not 200 <= r.status < 300)
+                w = view.get("weights") or {}
+                _echo(
+                    f"   [{run.now_s():6.1f}s] {view.get('phase'):<12} "
+                    f"step {view.get('step', -1) + 1}/{len(view.get('steps') or [])} "
+                    f"weights stable {w.get('stable_bp', 0) / 100:g}% "
+                    f"canary {w.get('canary_bp', 0) / 100:g}% | canary share (2s) "
+                    f"{100 * share:.0f}% | {len(run.records)} requests, {failed} failed"
+                )
+            verdicts = view.get("verdicts") or []
+            for verdict in verdicts[verdicts_shown:]:
+                _echo(f"       verdict: {verdict['outcome']}: {'; '.join(verdict['reasons'])}")
+            verdicts_shown = len(verdicts)
+            return bool(view.get("finished"))
+
+        _wait(progress, 150, "the rollout to finish", every=0.5)
+        final = status()
+        final_phase = final.get("phase")
+        _echo(f"== rollout finished: {final_phase} ({final.get('reason')})")
+
+        _echo(f"== rolling stable back to {BASELINE} on request")
+        rollback_at = run.now_s()
+        timeline.mark("rollback requested")
+        target = ray.get(
+            controller.rollback_stable.remote(BASELINE, "demo", "demo: rollback on request"),
+            timeout=60,
+        )
+
+        def back_on_baseline() -> bool:
+            recent = [r for r in run.records if r.start_s >= run.now_s() - 1.5 and r.artifact_id]
+            return len(recent) >= 10 and all(r.artifact_id == BASELINE for r in recent)
+
+        _wait(back_on_baseline, 60, f"every answer coming from {BASELINE}")
+        rollback_s = run.now_s() - rollback_at
+        timeline.mark(f"stable {BASELINE} again")
+        _echo(f"   all traffic on {BASELINE} (revision {target['revision']}) "
+              f"{rollback_s:.1f}s after the request")  # fmt: skip
+        time.sleep(2)  # a little steady traffic on the restored baseline for the picture
+        records = run.stop()
+        run = None
+    finally:
+        if run is not None:
+            run.stop()
+        with contextlib.suppress(ValueError):  # never created
+            ray.kill(ray.get_actor(CONTROLLER_NAME, namespace="rollout"), no_restart=True)
+        LocalCluster.stop()
+
+    summary = summarize(records)
+    shares = step_shares(records, timeline.weights)
+    picture = plot_timeline(
+        records,
+        workdir / "timeline.png",
+        weights=timeline.weights,
+        phases=timeline.phases,
+        title=f"rollout demo: {BASELINE} -> {CANDIDATE} -> rollback",
+    )
+    (workdir / "records.json").write_text(json.dumps([r.__dict__ for r in records]))
+    current_stable = registry.get_target("ranker", "default", "stable").artifact_id
+    registry.close()
+
+    _echo("== summary")
+    _echo(f"   requests {summary.requests}, non-2xx {summary.non_2xx}, "
+          f"failovers {summary.failovers}, statuses {summary.statuses}")  # fmt: skip
+    for cohort, stats in summary.by_cohort.items():
+        _echo(f"   {cohort:<7} {stats['requests']:>6} answers  p50 {stats['p50_ms']:.1f} ms  "
+              f"p99 {stats['p99_ms']:.1f} ms")  # fmt: skip
+    _echo("   canary weight -> observed canary share (after 1 s to propagate):")
+    for row in shares:
+        observed = "-" if row["canary_share_pct"] is None else f"{row['canary_share_pct']:.1f}%"
+        _echo(f"     {row['canary_weight_pct']:>5g}%  -> {observed:>6} of {row['requests']} "
+              f"requests  [{row['from_s']}s, {row['to_s'] or 'end'}]")  # fmt: skip
+    _echo("   phases (seconds since traffic started):")
+    for t, label in timeline.phases:
+        _echo(f"     {t:7.1f}s  {label}")
+    _echo(f"   answers by artifact: {summary.by_artifact}")
+    _echo(f"   timeline picture: {picture}")
+    _echo(f"   took {time.monotonic() - started:.0f}s")
+
+    result = {
+        "requests": summary.requests,
+        "non_2xx": summary.non_2xx,
+        "failovers": summary.failovers,
+        "final_phase": final_phase,
+        "stable_artifact": current_stable,
+        "rollback_to_baseline_s": round(rollback_s, 2),
+        "by_cohort": summary.by_cohort,
+        "step_shares": shares,
+        "timeline": str(picture),
+    }
+    click.echo(json.dumps(result, sort_keys=True))
+    ok = summary.non_2xx == 0 and final_phase == "succeeded" and current_stable == BASELINE
+    return 0 if ok else 1
+
+
+@click.command("demo")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=Path("var/demo"),
+    show_default=True,
+    help="Registry, cache, artifacts and outputs go here.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=1, max=200),
+    default=40.0,
+    show_default=True,
+    help="Steady traffic, requests per second.",
+)
+@click.option("--keep", is_flag=True, help="Keep the registry and cache of a previous run.")
+def demo_command(workdir: Path, rate: float, keep: bool) -> None:
+    """Run a full rollout under load on a local cluster, then roll back; print a summary."""
+    code = run_demo(workdir, rate=rate, keep=keep)
+    if code:
+        raise click.exceptions.Exit(code)

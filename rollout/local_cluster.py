@@ -1,0 +1,107 @@
+"""A local Ray cluster with Serve on ports of its own, for the demo and the tests.
+
+``ray.init()`` with no address attaches to whatever cluster runs on the machine, and two
+Serve instances can both bind 127.0.0.1:8000 (RAY_FACTS.md), so this always starts a new
+cluster (``address="local"``) on free ports: GCS, dashboard, metrics export and HTTP. It stops
+only what it started (``ray.shutdown()``), never other Ray processes on the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.serve_control import ServeControl
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    dashboard_url: str
+    metrics_url: str
+    http_url: str
+    http_port: int
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        num_cpus: float = 8,
+        metrics_report_interval_ms: int = 1000,
+        namespace: str = "rollout",
+    ) -> LocalCluster:
+        """Start Ray and Serve. ``num_cpus`` is logical: replicas ask for fractions of it, so
+        a 2-core machine can host the router, both cohorts and the controller."""
+        import ray
+        from ray import serve
+
+        os.environ["RAY_GCS_SERVER_PORT"] = str(free_port())
+        dashboard_port, metrics_port, http_port = free_port(), free_port(), free_port()
+        context = ray.init(
+            address="local",
+            num_cpus=int(num_cpus),
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
+            namespace=namespace,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            _metrics_export_port=metrics_port,
+            _system_config={"metrics_report_interval_ms": metrics_report_interval_ms},
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        url = getattr(context, "dashboard_url", None) or f"127.0.0.1:{dashboard_port}"
+        return cls(
+            dashboard_url=url if url.startswith("http") else f"http://{url}",
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            http_url=f"http://127.0.0.1:{http_port}",
+            http_port=http_port,
+        )
+
+    def serve_control(self) -> ServeControl:
+        return ServeControl(self.dashboard_url)
+
+    def deploy(self, applications: list[dict[str, Any]], timeout_s: float = 180.0) -> None:
+        """Deploy declaratively (REST PUT) and wait until every application is RUNNING: a
+        declaratively deployed app is one whose user_configs the controller may change."""
+        control = self.serve_control()
+        try:
+            control.apply(
+                {
+                    "http_options": {"host": "127.0.0.1", "port": self.http_port},
+                    "applications": applications,
+                }
+            )
+            deadline = time.monotonic() + timeout_s
+            names = [app["name"] for app in applications]
+            while True:
+                apps = control.details().get("applications") or {}
+                statuses = {name: (apps.get(name) or {}).get("status") for name in names}
+                if all(status == "RUNNING" for status in statuses.values()):
+                    return
+                failed = {n: s for n, s in statuses.items() if s == "DEPLOY_FAILED"}
+                if failed or time.monotonic() > deadline:
+                    messages = {n: (apps.get(n) or {}).get("message") for n in names}
+                    raise RuntimeError(f"deploy did not come up: {statuses} {messages}")
+                time.sleep(0.25)
+        finally:
+            control.close()
+
+    @staticmethod
+    def stop() -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
