@@ -1,0 +1,219 @@
+"""HTTP models of the ranking API and the router's settings (pydantic, at the boundary).
+
+The router validates a request exactly once, here; what travels on to the replicas is the
+compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n), which the replicas do
+not validate again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, NamedTuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from app.features import (
+    CONTEXT_FIELDS,
+    MAX_CANDIDATE_ID_CHARS,
+    MAX_CANDIDATES,
+    NUM_FEATURES,
+    encode_context,
+)
+from app.routing import BASIS_POINTS
+
+DEFAULT_TOP_N: Final = 10
+MAX_BODY_BYTES: Final = 8 << 20
+
+Feature = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class CandidateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[str, Field(min_length=1, max_length=MAX_CANDIDATE_ID_CHARS)]
+    features: Annotated[
+        list[Feature | None], Field(min_length=NUM_FEATURES, max_length=NUM_FEATURES)
+    ]
+
+
+class RankBody(BaseModel):
+    """``POST /v1/rank``. ``null`` marks a missing feature; NaN and infinities are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: Annotated[str, Field(max_length=256)] | None = None
+    session_id: Annotated[str, Field(max_length=256)] | None = None
+    context: dict[str, str | int | float] = Field(default_factory=dict)
+    candidates: Annotated[list[CandidateIn], Field(min_length=1, max_length=MAX_CANDIDATES)]
+    top_n: Annotated[int, Field(ge=1, le=MAX_CANDIDATES)] = DEFAULT_TOP_N
+
+    @field_validator("context")
+    @classmethod
+    def _known_context(cls, value: dict[str, str | int | float]) -> dict[str, str | int | float]:
+        for name in value:
+            if name not in CONTEXT_FIELDS:
+                known = ", ".join(CONTEXT_FIELDS)
+                raise ValueError(f"context.{name}: unknown context field (known: {known})")
+        encode_context(value)  # ValueError "context.<name>: ..." for a bad value
+        return value
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> RankBody:
+        seen: set[str] = set()
+        for i, cand in enumerate(self.candidates):
+            if cand.id in seen:
+                raise ValueError(f"candidates[{i}].id: duplicate id {cand.id!r}")
+            seen.add(cand.id)
+        return self
+
+
+class RankedOut(BaseModel):
+    id: str
+    score: float
+    label: str = ""
+
+
+class ModelInfo(BaseModel):
+    artifact_id: str
+    revision: int
+    cohort: str
+    runtime_build: str
+    replica: str
+
+
+class RankResponse(BaseModel):
+    ranking: list[RankedOut]
+    model: ModelInfo
+    failover: bool = False
+
+
+class ErrorBody(BaseModel):
+    error: str  # category: invalid_request, draining, overloaded, unavailable, not_found
+    detail: str
+    field: str | None = None
+
+
+class WireRequest(NamedTuple):
+    """What the router sends a replica for one request (pickled; kept compact)."""
+
+    candidate_ids: tuple[str, ...]
+    features: np.ndarray  # float32 [candidates, NUM_FEATURES]; NaN = missing
+    context: Mapping[str, str | int | float]
+    top_n: int
+
+
+class ModelMeta(NamedTuple):
+    artifact_id: str
+    revision: int
+    cohort: str
+    runtime_build: str
+    replica: str
+
+
+class WireAnswer(NamedTuple):
+    """A replica's answer to one handle call: one generation served the whole call."""
+
+    model: ModelMeta
+    rankings: list[list[tuple[str, float, str]]]  # per request: (id, score, label)
+
+
+class RequestInvalid(ValueError):
+    """A client mistake: answered 422 naming ``field``."""
+
+    category = "invalid_request"
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        else:
+            name += f".{part}" if name else str(part)
+    return name or "body"
+
+
+def parse_rank_body(raw: bytes) -> RankBody:
+    """Parse and validate a request body; RequestInvalid names the first bad field."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestInvalid("body", f"{len(raw)} bytes is over the limit of {MAX_BODY_BYTES}")
+    if not raw:
+        raise RequestInvalid("body", "empty body; expected a JSON object")
+    try:
+        return RankBody.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        msg = str(first.get("msg", "invalid"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        field = _field_name(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            field = "body"
+        # Our validators' messages start with the precise field ("context.surface: ...").
+        head, sep, rest = msg.partition(": ")
+        if sep and " " not in head and (field == "body" or head.startswith(field)):
+            field, msg = head, rest
+        raise RequestInvalid(field, msg) from None
+
+
+def to_wire(body: RankBody) -> WireRequest:
+    ids = tuple(c.id for c in body.candidates)
+    # None -> NaN (missing); the model's preprocessing fills it. Finite values were checked.
+    features = np.asarray([c.features for c in body.candidates], dtype=np.float32)
+    return WireRequest(ids, features, body.context, body.top_n)
+
+
+class RouterConfig(BaseModel):
+    """The router's ``user_config``: changed live through ``reconfigure`` (no restart)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    canary_bp: Annotated[int, Field(ge=0, le=BASIS_POINTS)] = 0
+    salt: Annotated[str, Field(min_length=1, max_length=64)] = "ranker"
+    allow_cohort_header: bool = False
+    failover: bool = True
+    draining: bool = False
+    max_in_flight: Annotated[int, Field(ge=1)] = 512
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
+    request_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # Coalescing: at most this many handle calls in flight per replica of a cohort (replicas
+    # as seen by the router's probes); requests that arrive meanwhile ride together in the
+    # next call (up to coalesce_max_batch of them). 1 measured best on 2 cores (bench/):
+    # the replica computes one batch at a time anyway, so a second call in flight only
+    # splits the next batch in two.
+    coalesce_calls_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
+    coalesce_max_batch: Annotated[int, Field(ge=1, le=1024)] = 64
+    probe_interval_s: Annotated[float, Field(gt=0)] = 1.0
+
+
+class ReplicaView(BaseModel):
+    replica: str
+    cohort: str
+    phase: str
+    desired_revision: int | None
+    desired_artifact: str | None
+    actual_revision: int | None
+    actual_artifact: str | None
+    last_error: dict[str, Any] | None = None
+    seen_s_ago: float
+
+
+class CohortView(BaseModel):
+    cohort: str
+    weight_bp: int
+    serving: bool | None
+    breaker_open: bool
+    replicas: list[ReplicaView]
+
+
+class StatusResponse(BaseModel):
+    draining: bool
+    in_flight: int
+    canary_bp: int
+    cohorts: list[CohortView]

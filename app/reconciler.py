@@ -1,0 +1,409 @@
+"""Desired/actual reconciliation of a replica's model target.
+
+The replica tells the reconciler what it should serve (``submit``); one background worker
+makes it so. Rules (DESIGN.md "Replica"):
+
+- single flight: one load at a time, on one worker thread;
+- latest target wins: a newer target replaces pending work; a load that finishes after its
+  target was superseded is discarded, never installed;
+- a late target (revision lower than the desired one) is ignored; the same revision with a
+  different artifact is refused (a registry inconsistency worth an alert);
+- desired is re-checked under the lock right before install, and ``submit`` takes the same
+  lock, so a slow candidate can never override a newer target (e.g. a rollback);
+- failures are retried with capped exponential backoff and jitter when they can be transient
+  (I/O, a download that came out short), and given up on at once when they cannot (a wrong
+  schema stays wrong); either way the serving generation is untouched.
+
+No Ray here: the load/install/discard steps are injected (``TargetLoader``), so unit tests run
+the real worker with a fake loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+from app.errors import ArtifactRejected
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+# Rejections that another attempt can cure: bytes that came out short or different (a flaky
+# download) and a memory budget that frees up. Everything else about an artifact is final.
+RETRYABLE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a replica should serve. ``revision`` increases with every change of a cohort's
+    target (the registry's compare-and-set), so it orders targets."""
+
+    revision: int
+    artifact_id: str
+    manifest_uri: str
+    manifest_sha256: str
+    feature_schema: str
+
+    def same_artifact(self, other: Target) -> bool:
+        return (
+            self.artifact_id == other.artifact_id
+            and self.manifest_sha256.lower() == other.manifest_sha256.lower()
+        )
+
+
+class Decision(StrEnum):
+    ACCEPTED = "accepted"  # new desired target; the worker will load it
+    UNCHANGED = "unchanged"  # equal to the desired target
+    LATE = "late"  # lower revision than desired: ignored
+    CONFLICT = "conflict"  # same revision, different artifact: refused
+
+
+class Phase(StrEnum):
+    IDLE = "idle"  # no target at all (an idle pool)
+    LOADING = "loading"
+    BACKOFF = "backoff"  # waiting to retry after a transient failure
+    READY = "ready"  # actual == desired
+    FAILED = "failed"  # gave up on the desired target; the previous generation serves
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    category: str
+    message: str
+    artifact_id: str | None = None
+    revision: int | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, target: Target | None) -> ErrorInfo:
+        category = exc.category if isinstance(exc, ArtifactRejected) else type(exc).__name__
+        return cls(
+            category=category,
+            message=str(exc),
+            artifact_id=target.artifact_id if target else None,
+            revision=target.revision if target else None,
+        )
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ArtifactRejected):
+        return exc.category in RETRYABLE_CATEGORIES
+    return isinstance(exc, OSError | TimeoutError | ConnectionError)
+
+
+@dataclass(frozen=True)
+class BackoffPolicy:
+    """Capped exponential backoff with "equal jitter": half of each delay is fixed (so
+    retries never bunch up at zero), the other half random (so replicas that failed together
+    do not retry together)."""
+
+    initial_s: float = 0.5
+    multiplier: float = 2.0
+    cap_s: float = 30.0
+    max_attempts: int = 6  # including the first
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Delay after the ``attempt``-th failure (1-based)."""
+        ceiling = min(self.cap_s, self.initial_s * self.multiplier ** max(0, attempt - 1))
+        return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+class TargetLoader(Protocol, Generic[M]):
+    """The three steps the reconciler drives. ``load`` may take minutes and may raise;
+    ``install`` is quick and returns False if the installed generation refused it (stale);
+    ``discard`` frees a loaded model that will never serve."""
+
+    def load(self, target: Target) -> M: ...
+
+    def install(self, target: Target, loaded: M) -> bool: ...
+
+    def discard(self, loaded: M) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReconcileEvent:
+    """Something the replica reports or counts. ``kind``: accepted, unchanged, late,
+    conflict, loading, installed, discarded, retry_scheduled, failed."""
+
+    kind: str
+    target: Target | None
+    error: ErrorInfo | None = None
+    attempt: int = 0
+    retry_in_s: float | None = None
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    desired: Target | None
+    actual: Target | None
+    phase: Phase
+    last_error: ErrorInfo | None
+    attempts: int
+    installs: int
+    discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
+
+
+class Reconciler(Generic[M]):
+    def __init__(
+        self,
+        loader: TargetLoader[M],
+        *,
+        policy: BackoffPolicy | None = None,
+        on_event: Callable[[ReconcileEvent], None] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "reconciler",
+        worker_nice: int = 0,
+    ) -> None:
+        self._loader = loader
+        self._policy = policy or BackoffPolicy()
+        self._on_event = on_event or (lambda event: None)
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._name = name
+        self._cond = threading.Condition()
+        self._desired: Target | None = None
+        self._actual: Target | None = None
+        self._phase = Phase.IDLE
+        self._last_error: ErrorInfo | None = None
+        self._attempts = 0
+        self._installs = 0
+        self._discarded: list[int] = []
+        self._work = False  # the desired target still needs loading
+        self._retry_at = 0.0
+        self._busy = False  # the worker is inside a load
+        self._closed = False
+        self._worker: threading.Thread | None = None
+        # Loads run beside live traffic on the same cores: a positive niceness for the worker
+        # thread (inherited by the threads it starts, e.g. parallel downloads) lets request
+        # threads win the CPU while a candidate loads.
+        self._worker_nice = worker_nice
+
+    def set_policy(self, policy: BackoffPolicy) -> None:
+        with self._cond:
+            self._policy = policy
+
+    # ------------------------------------------------------------------ decisions
+
+    def _classify(self, target: Target) -> Decision:
+        desired = self._desired
+        if desired is None:
+            return Decision.ACCEPTED
+        if target.revision < desired.revision:
+            return Decision.LATE
+        if target.revision == desired.revision:
+            if target.same_artifact(desired):
+                return Decision.UNCHANGED
+            return Decision.CONFLICT
+        return Decision.ACCEPTED
+
+    def submit(self, target: Target) -> Decision:
+        """Record a new desired target and return at once; the worker loads it."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self._name} is closed")
+            decision = self._classify(target)
+            if decision is Decision.ACCEPTED:
+                self._desired = target
+                self._attempts = 0
+                self._retry_at = 0.0
+                if self._actual is not None and self._actual == target:
+                    self._work = False
+                    self._phase = Phase.READY
+                else:
+                    self._work = True
+                    self._phase = Phase.LOADING
+                    self._ensure_worker()
+                self._cond.notify_all()
+        self._emit(ReconcileEvent(decision.value, target))
+        return decision
+
+    def load_blocking(self, target: Target) -> None:
+        """Startup: make ``target`` the desired and actual target in the calling thread.
+
+        Transient failures are retried with backoff; a final failure raises (a replica must
+        not start serving without a verified model).
+        """
+        with self._cond:
+            decision = self._classify(target)
+            if decision is Decision.UNCHANGED and self._actual == target:
+                return
+            if decision in (Decision.LATE, Decision.CONFLICT):
+                raise ValueError(f"startup target {target} is {decision.value}")
+            self._desired = target
+            self._work = False
+            self._phase = Phase.LOADING
+            self._busy = True
+        try:
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    self._attempt(target, attempt)
+                    return
+                except Exception as exc:
+                    if not is_retryable(exc) or attempt >= self._policy.max_attempts:
+                        raise
+                    time.sleep(self._policy.delay(attempt, self._rng))
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ worker
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._worker.start()
+
+    def _next_job(self) -> tuple[Target, int] | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._work and self._desired is not None:
+                    wait = self._retry_at - self._clock()
+                    if wait <= 0:
+                        self._busy = True
+                        self._attempts += 1
+                        self._phase = Phase.LOADING
+                        return self._desired, self._attempts
+                    self._cond.wait(timeout=wait)
+                else:
+                    self._cond.wait()
+
+    def _run(self) -> None:
+        if self._worker_nice > 0:
+            try:  # Linux: niceness is per thread (the thread id is a process id here)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._worker_nice)
+            except (OSError, AttributeError):
+                log.debug("%s: cannot lower the worker's priority", self._name)
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            target, attempt = job
+            try:
+                self._attempt(target, attempt)
+            except Exception as exc:
+                self._failed(target, attempt, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _attempt(self, target: Target, attempt: int) -> None:
+        """Load, re-check desired, install; raises what the load raised."""
+        self._emit(ReconcileEvent("loading", target, attempt=attempt))
+        started = self._clock()
+        loaded = self._loader.load(target)
+        with self._cond:
+            current = self._desired == target and not self._closed
+            installed = current and self._loader.install(target, loaded)
+            if installed:
+                self._actual = target
+                self._installs += 1
+                self._last_error = None
+                if self._desired == target:
+                    self._work = False
+                    self._phase = Phase.READY
+            else:
+                self._discarded.append(target.revision)
+                if current:
+                    # The generation holder refused it (it knows a newer generation): final.
+                    self._work = False
+                    self._phase = Phase.FAILED
+                    self._last_error = ErrorInfo(
+                        "stale",
+                        "the serving generation refused the install",
+                        target.artifact_id,
+                        target.revision,
+                    )
+        if installed:
+            self._emit(
+                ReconcileEvent(
+                    "installed", target, attempt=attempt, duration_s=self._clock() - started
+                )
+            )
+            return
+        # Superseded while loading (or refused by the holder): never serve it.
+        self._loader.discard(loaded)
+        self._emit(ReconcileEvent("discarded", target, attempt=attempt))
+
+    def _failed(self, target: Target, attempt: int, exc: Exception) -> None:
+        error = ErrorInfo.of(exc, target)
+        with self._cond:
+            if self._desired != target:
+                # A newer target arrived during the failed load; its own attempt follows.
+                self._last_error = error
+                event = ReconcileEvent("failed", target, error=error, attempt=attempt)
+            elif is_retryable(exc) and attempt < self._policy.max_attempts:
+                delay = self._policy.delay(attempt, self._rng)
+                self._retry_at = self._clock() + delay
+                self._phase = Phase.BACKOFF
+                self._last_error = error
+                event = ReconcileEvent(
+                    "retry_scheduled", target, error=error, attempt=attempt, retry_in_s=delay
+                )
+            else:
+                self._work = False
+                self._phase = Phase.FAILED
+                self._last_error = error
+                event = ReconcileEvent("failed", target, error=error, attempt=attempt)
+        log.warning("%s: target %s failed (attempt %d): %s", self._name, target, attempt, error)
+        self._emit(event)
+
+    def _emit(self, event: ReconcileEvent) -> None:
+        try:
+            self._on_event(event)
+        except Exception:  # an observer must never break reconciliation
+            log.exception("%s: event observer failed on %s", self._name, event.kind)
+
+    # ------------------------------------------------------------------ observation
+
+    def snapshot(self) -> Snapshot:
+        with self._cond:
+            return Snapshot(
+                desired=self._desired,
+                actual=self._actual,
+                phase=self._phase,
+                last_error=self._last_error,
+                attempts=self._attempts,
+                installs=self._installs,
+                discarded=tuple(self._discarded),
+            )
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait until no load is running or pending (READY, FAILED or IDLE)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy or self._work:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 0.5))
+            return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker; a load in progress finishes and is discarded."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+
+
+def describe(target: Target | None) -> dict[str, Any] | None:
+    if target is None:
+        return None
+    return {"revision": target.revision, "artifact_id": target.artifact_id}

@@ -1,0 +1,590 @@
+"""The ranker replica's logic; ``deployments/ranker.py`` is the thin Ray Serve shell around it.
+
+Lifecycle (DESIGN.md "Replica"):
+
+- ``reconfigure(user_config)`` validates the config. The first target is loaded synchronously
+  (a replica never becomes RUNNING without a verified model; a failure there raises). Every
+  later target is handed to the reconciler and ``reconfigure`` returns at once: Ray routes no
+  traffic to a replica while its reconfigure runs, so it must stay instant. A failed candidate
+  never raises out of ``reconfigure`` and never removes the serving generation. The same
+  config again is a no-op (Ray repeats reconfigure on rank changes).
+- ``rank(batch)`` borrows the current generation for one forward; a request in flight
+  finishes on the generation it borrowed while a new one is installed beside it.
+- Reports go to the rollout controller's named actor when one is configured; with no
+  controller the replica keeps serving and retries quietly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.api import ModelMeta, WireAnswer, WireRequest
+from app.cache import ArtifactCache, Lease
+from app.errors import ArtifactRejected, ConfigError
+from app.features import FEATURE_SCHEMA, RankRequest
+from app.generations import Generation, GenerationHolder, NotReady
+from app.loader import LoadedModel, default_device, load_verified
+from app.memory import MemoryBudget
+from app.reconciler import (
+    BackoffPolicy,
+    ErrorInfo,
+    Phase,
+    ReconcileEvent,
+    Reconciler,
+    Snapshot,
+    Target,
+)
+
+log = logging.getLogger(__name__)
+
+MiB: Final = 1 << 20
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
+
+
+# --------------------------------------------------------------------------- user_config
+
+
+class TargetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    revision: Annotated[int, Field(ge=1)]
+    artifact_id: Annotated[str, Field(min_length=1, max_length=200)]
+    manifest_uri: Annotated[str, Field(min_length=1)]
+    manifest_sha256: Sha256
+    feature_schema: str = FEATURE_SCHEMA
+
+    def to_target(self) -> Target:
+        return Target(
+            revision=self.revision,
+            artifact_id=self.artifact_id,
+            manifest_uri=self.manifest_uri,
+            manifest_sha256=self.manifest_sha256.lower(),
+            feature_schema=self.feature_schema,
+        )
+
+
+class BatchingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.002
+
+
+class MemoryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capacity_bytes: Annotated[int, Field(gt=0)] | None = None  # None: ask the device
+    margin_bytes: Annotated[int, Field(ge=0)] = 256 * MiB
+    margin_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
+
+    def budget(self) -> MemoryBudget:
+        return MemoryBudget(
+            capacity_bytes=self.capacity_bytes,
+            margin_bytes=self.margin_bytes,
+            margin_fraction=self.margin_fraction,
+        )
+
+
+class RetryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    initial_s: Annotated[float, Field(gt=0)] = 0.5
+    cap_s: Annotated[float, Field(gt=0)] = 30.0
+    max_attempts: Annotated[int, Field(ge=1)] = 6
+
+    def policy(self) -> BackoffPolicy:
+        return BackoffPolicy(
+            initial_s=self.initial_s, cap_s=self.cap_s, max_attempts=self.max_attempts
+        )
+
+
+class ControllerRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(min_length=1)]
+    namespace: str = "rollout"
+
+
+class ReplicaConfig(BaseModel):
+    """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cohort: Literal["stable", "canary"]
+    target: TargetConfig | None = None
+    batching: BatchingConfig = BatchingConfig()
+    memory: MemoryConfig = MemoryConfig()
+    retry: RetryConfig = RetryConfig()
+    trust_key: str | None = None  # path of the public key manifests must be signed with
+    controller: ControllerRef | None = None
+    cache_dir: str = "var/cache"
+    cache_byte_budget: Annotated[int, Field(gt=0)] | None = None
+    report_interval_s: Annotated[float, Field(gt=0)] = 10.0
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
+        if isinstance(raw, ReplicaConfig):
+            return raw
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "user_config"
+            raise ConfigError(f"user_config.{where}: {first.get('msg')}") from None
+
+
+# --------------------------------------------------------------------------- reports
+
+
+class InstanceReport(BaseModel):
+    """What a replica tells the rollout controller (DESIGN.md "Reports")."""
+
+    replica_id: str
+    cohort: str
+    pid: int
+    phase: str
+    desired_revision: int | None
+    desired_artifact: str | None
+    actual_revision: int | None
+    actual_artifact: str | None
+    runtime_build: str | None
+    last_error: dict[str, Any] | None
+    discarded_revisions: list[int]
+    timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
+    capacity: dict[str, Any]  # max_batch_size, device
+    heartbeat: float  # wall clock (time.time()) of the report
+    seq: int  # increases with every report of this replica
+
+
+class ReportSink(Protocol):
+    """Where reports go (the controller actor); ``send`` may raise when it is absent."""
+
+    def send(self, report: InstanceReport) -> None: ...
+
+
+class ReplicaObserver(Protocol):
+    """Metrics hooks; the Ray shell implements them with ``ray.serve.metrics``."""
+
+    def load_stage(self, stage: str, seconds: float, ok: bool) -> None: ...
+
+    def revisions(self, desired: int | None, actual: int | None) -> None: ...
+
+    def load_failure(self, category: str) -> None: ...
+
+    def batch_size(self, requests: int) -> None: ...
+
+
+class NullObserver:
+    def load_stage(self, stage: str, seconds: float, ok: bool) -> None:
+        pass
+
+    def revisions(self, desired: int | None, actual: int | None) -> None:
+        pass
+
+    def load_failure(self, category: str) -> None:
+        pass
+
+    def batch_size(self, requests: int) -> None:
+        pass
+
+
+class ReplicaNotReady(RuntimeError):
+    """No verified model is installed (an idle pool, or still starting)."""
+
+    category = "serving.not_ready"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Candidate:
+    """A loaded, dry-run-validated model that is not serving yet."""
+
+    target: Target
+    model: LoadedModel
+    lease: Lease
+    timings: dict[str, float]
+    handed_over: bool = False  # given to the generation holder, which owns its cleanup
+
+
+def _close_candidate(model: Any, lease: Lease | None) -> None:
+    try:
+        model.close()
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+class ModelLoader:
+    """The reconciler's load/install/discard steps for real artifacts and the holder."""
+
+    def __init__(
+        self,
+        *,
+        cache: Callable[[], ArtifactCache],
+        holder: GenerationHolder,
+        leases: dict[int, Lease],
+        budget: Callable[[], MemoryBudget],
+        device: torch.device,
+        on_installed: Callable[[Candidate], None],
+    ) -> None:
+        self._on_installed = on_installed
+        self._cache = cache
+        self._holder = holder
+        self._leases = leases
+        self._budget = budget
+        self._device = device
+
+    def load(self, target: Target) -> Candidate:
+        if target.feature_schema != FEATURE_SCHEMA:
+            raise ArtifactRejected(
+                "schema",
+                f"target feature_schema {target.feature_schema!r}; this service speaks "
+                f"{FEATURE_SCHEMA!r}",
+                artifact_id=target.artifact_id,
+            )
+        cache = self._cache()
+        lease = cache.lease(target.manifest_sha256)
+        try:
+            artifact = cache.fetch_verified(target.manifest_uri, target.manifest_sha256)
+            if artifact.manifest.artifact_id != target.artifact_id:
+                raise ArtifactRejected(
+                    "manifest_digest",
+                    f"manifest names artifact {artifact.manifest.artifact_id!r}, the target "
+                    f"says {target.artifact_id!r}",
+                    artifact_id=target.artifact_id,
+                )
+            if artifact.manifest.feature_schema != target.feature_schema:
+                raise ArtifactRejected(
+                    "schema",
+                    f"manifest feature_schema {artifact.manifest.feature_schema!r} differs "
+                    f"from the target's {target.feature_schema!r}",
+                    artifact_id=target.artifact_id,
+                )
+            current = self._holder.current
+            resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
+            model = load_verified(
+                artifact, device=self._device, budget=self._budget(), resident_bytes=resident
+            )
+        except BaseException:
+            lease.release()
+            raise
+        timings = {
+            # The cache hashes while it downloads (fetch_s), then fsyncs and publishes; a
+            # cache hit only re-checks (verify_s).
+            "download": float(artifact.timings.get("fetch_s", 0.0)),
+            "verify": float(
+                artifact.timings.get("verify_s", 0.0) + artifact.timings.get("publish_s", 0.0)
+            ),
+            "load": float(model.timings.get("load", 0.0)),
+            "dry_run": float(model.timings.get("dry_run", 0.0)),
+        }
+        return Candidate(target, model, lease, timings)
+
+    def install(self, target: Target, loaded: Candidate) -> bool:
+        started = time.perf_counter()
+        self._holder.set_desired(target.revision, target.artifact_id)
+        generation = Generation(
+            revision=target.revision, artifact_id=target.artifact_id, model=loaded.model
+        )
+        # The lease is released by the holder's cleanup when this generation retires.
+        self._leases[id(loaded.model)] = loaded.lease
+        loaded.handed_over = True
+        if not self._holder.install(generation):
+            # The holder cleaned the refused generation up (model closed, lease released).
+            return False
+        loaded.timings["install"] = time.perf_counter() - started
+        self._on_installed(loaded)
+        return True
+
+    def discard(self, loaded: Candidate) -> None:
+        if not loaded.handed_over:
+            _close_candidate(loaded.model, loaded.lease)
+
+
+# --------------------------------------------------------------------------- the replica
+
+
+class RankerReplica:
+    def __init__(
+        self,
+        replica_id: str,
+        *,
+        sink_factory: Callable[[ControllerRef], ReportSink] | None = None,
+        observer: ReplicaObserver | None = None,
+        device: torch.device | None = None,
+        loader_nice: int = 10,
+    ) -> None:
+        self.replica_id = replica_id
+        self._sink_factory = sink_factory
+        self._observer: ReplicaObserver = observer or NullObserver()
+        self._device = device or default_device()
+        self._config: ReplicaConfig | None = None
+        self._cache: ArtifactCache | None = None
+        self._cache_key: tuple[str, int | None, str | None] | None = None
+        self._leases: dict[int, Lease] = {}
+        self._holder = GenerationHolder(cleanup=self._retire)
+        self._loader = ModelLoader(
+            cache=self._get_cache,
+            holder=self._holder,
+            leases=self._leases,
+            budget=lambda: self.config.memory.budget(),
+            device=self._device,
+            on_installed=self._installed,
+        )
+        self._reconciler: Reconciler[Candidate] = Reconciler(
+            self._loader,
+            on_event=self._on_event,
+            name=f"reconciler-{replica_id}",
+            worker_nice=loader_nice,
+        )
+        self._timings: dict[str, float] = {}
+        self._fatal: BaseException | None = None
+        self._reporter = _Reporter(self)
+        self.runtime_build: str | None = None
+
+    # ------------------------------------------------------------------ config
+
+    @property
+    def config(self) -> ReplicaConfig:
+        if self._config is None:
+            raise ReplicaNotReady("replica has no user_config yet")
+        return self._config
+
+    def _get_cache(self) -> ArtifactCache:
+        cfg = self.config
+        key = (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key)
+        if self._cache is None or self._cache_key != key:
+            self._cache = ArtifactCache(
+                Path(cfg.cache_dir), byte_budget=cfg.cache_byte_budget, trust_key=cfg.trust_key
+            )
+            self._cache_key = key
+        return self._cache
+
+    def reconfigure(self, raw: Mapping[str, Any] | ReplicaConfig) -> bool:
+        """Apply a user_config; returns False when it equals the current one (no-op).
+
+        Raises only for an invalid config or a failed first load (startup semantics).
+        """
+        new = ReplicaConfig.parse(raw)
+        old = self._config
+        if new == old:
+            return False
+        if old is not None and new.cohort != old.cohort:
+            raise ConfigError(
+                f"user_config.cohort: a replica cannot move from {old.cohort!r} to {new.cohort!r}"
+            )
+        self._config = new
+        self._reconciler.set_policy(new.retry.policy())
+        if new.target is not None:
+            target = new.target.to_target()
+            if self._holder.current is None and self._reconciler.snapshot().actual is None:
+                # Startup: no RUNNING replica without a verified model.
+                self._reconciler.load_blocking(target)
+            else:
+                self._reconciler.submit(target)
+        elif old is not None and old.target is not None:
+            log.warning(
+                "%s: target removed from user_config; keeping the serving generation",
+                self.replica_id,
+            )
+        self._reporter.configure(new)
+        self._reporter.poke()
+        return True
+
+    # ------------------------------------------------------------------ serving
+
+    def rank(self, batch: Sequence[WireRequest]) -> WireAnswer:
+        """One forward for a batch of validated requests on one borrowed generation."""
+        cohort = self.config.cohort
+        try:
+            with self._holder.borrow() as gen:
+                model: LoadedModel = gen.model
+                requests = [
+                    RankRequest(
+                        candidate_ids=w.candidate_ids,
+                        features=w.features,  # type: ignore[arg-type]  # ndarray rows
+                        context=w.context,
+                        top_n=w.top_n,
+                    )
+                    for w in batch
+                ]
+                try:
+                    results = model.rank_batch(requests)
+                except RuntimeError as exc:
+                    if "CUDA" in str(exc) or "cuda" in str(exc):
+                        self._fatal = exc  # unrecoverable device fault: check_health fails
+                    raise
+                meta = ModelMeta(
+                    gen.artifact_id, gen.revision, cohort, model.runtime_build, self.replica_id
+                )
+        except NotReady as exc:
+            raise ReplicaNotReady(f"{self.replica_id}: {exc}") from None
+        self._observer.batch_size(len(batch))
+        return WireAnswer(meta, [[(c.id, c.score, c.label) for c in ranked] for ranked in results])
+
+    def check_health(self) -> None:
+        """Fails only for unrecoverable runtime faults, never for a failed candidate."""
+        if self._fatal is not None:
+            raise RuntimeError(f"unrecoverable runtime fault: {self._fatal}")
+
+    # ------------------------------------------------------------------ reports
+
+    def snapshot(self) -> Snapshot:
+        return self._reconciler.snapshot()
+
+    def report(self) -> InstanceReport:
+        snap = self._reconciler.snapshot()
+        cfg = self._config
+        current = self._holder.current
+        err = snap.last_error
+        return InstanceReport(
+            replica_id=self.replica_id,
+            cohort=cfg.cohort if cfg else "unknown",
+            pid=os.getpid(),
+            phase=snap.phase.value,
+            desired_revision=snap.desired.revision if snap.desired else None,
+            desired_artifact=snap.desired.artifact_id if snap.desired else None,
+            actual_revision=current.revision if current else None,
+            actual_artifact=current.artifact_id if current else None,
+            runtime_build=getattr(current.model, "runtime_build", None) if current else None,
+            last_error=_error_dict(err),
+            discarded_revisions=list(snap.discarded),
+            timings=dict(self._timings),
+            capacity={
+                "max_batch_size": cfg.batching.max_batch_size if cfg else None,
+                "device": str(self._device),
+            },
+            heartbeat=time.time(),
+            seq=self._reporter.next_seq(),
+        )
+
+    def _installed(self, candidate: Candidate) -> None:
+        self._timings = dict(candidate.timings)
+        self.runtime_build = candidate.model.runtime_build
+        for stage, seconds in candidate.timings.items():
+            self._observer.load_stage(stage, seconds, True)
+
+    def _on_event(self, event: ReconcileEvent) -> None:
+        if event.kind == "installed" and event.duration_s is not None:
+            self._observer.load_stage("total", event.duration_s, True)
+        elif event.kind in ("failed", "retry_scheduled") and event.error is not None:
+            self._observer.load_failure(event.error.category)
+        snap = self._reconciler.snapshot()
+        self._observer.revisions(
+            snap.desired.revision if snap.desired else None,
+            snap.actual.revision if snap.actual else None,
+        )
+        self._reporter.poke()
+
+    def _retire(self, generation: Generation) -> None:
+        model = generation.model
+        _close_candidate(model, self._leases.pop(id(model), None))
+
+    def close(self) -> None:
+        self._reporter.close()
+        self._reconciler.close()
+        self._holder.close()
+
+    @property
+    def phase(self) -> Phase:
+        return self._reconciler.snapshot().phase
+
+
+def _error_dict(err: ErrorInfo | None) -> dict[str, Any] | None:
+    if err is None:
+        return None
+    return {
+        "category": err.category,
+        "message": err.message,
+        "artifact_id": err.artifact_id,
+        "revision": err.revision,
+    }
+
+
+class _Reporter:
+    """Pushes reports on change and every ``report_interval_s`` from its own thread.
+
+    An absent controller (no actor yet, or it died) costs one failed lookup per interval and
+    a debug log line; serving is never affected.
+    """
+
+    def __init__(self, replica: RankerReplica) -> None:
+        self._replica = replica
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._closed = False
+        self._interval = 10.0
+        self._controller: ControllerRef | None = None
+        self._sink: ReportSink | None = None
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+        self.failed = 0
+
+    def next_seq(self) -> int:
+        with self._cond:
+            self._seq += 1
+            return self._seq
+
+    def configure(self, cfg: ReplicaConfig) -> None:
+        with self._cond:
+            if cfg.controller != self._controller:
+                self._sink = None
+            self._controller = cfg.controller
+            self._interval = cfg.report_interval_s
+            wanted = self._controller is not None and self._replica._sink_factory is not None
+            if wanted and self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"reporter-{self._replica.replica_id}", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def poke(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._dirty and not self._closed:
+                    self._cond.wait(timeout=self._interval)
+                if self._closed:
+                    return
+                self._dirty = False
+                controller = self._controller
+            if controller is None:
+                continue
+            self._send_once(controller)
+
+    def _send_once(self, controller: ControllerRef) -> None:
+        factory = self._replica._sink_factory
+        if factory is None:
+            return
+        try:
+            if self._sink is None:
+                self._sink = factory(controller)
+            self._sink.send(self._replica.report())
+            self.sent += 1
+        except Exception as exc:
+            self._sink = None
+            self.failed += 1
+            log.debug("report to controller %s failed (will retry): %s", controller.name, exc)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

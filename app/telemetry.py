@@ -1,0 +1,62 @@
+"""Names of the metrics the router and the replicas export, and of their labels.
+
+One place for the strings that three parties must agree on: the router and the replicas
+(which create the metrics with ``ray.serve.metrics``) and the rollout controller's metrics
+reader (which finds them in Ray's Prometheus text or through PromQL). No Ray import here.
+
+On export Ray prefixes every name with ``ray_``, adds the ``application``, ``deployment`` and
+``replica`` tags, and suffixes counters with ``_total`` (RAY_FACTS.md "Metrics");
+``exported_name`` gives the name a reader looks for.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- label keys -------------------------------------------------------------------------
+COHORT: Final = "cohort"  # "stable" | "canary"; on router metrics, the cohort that answered
+OUTCOME: Final = "outcome"  # see OUTCOMES
+REASON: Final = "reason"  # rejections: see REJECTION_REASONS
+FROM_COHORT: Final = "from_cohort"  # failovers: the cohort that could not answer
+STAGE: Final = "stage"  # load stages: see LOAD_STAGES
+RESULT: Final = "result"  # load stage result: "ok" | "error"
+
+# --- router -----------------------------------------------------------------------------
+ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
+ROUTER_LATENCY_MS: Final = "ranker_router_latency_ms"  # histogram {cohort, outcome}
+ROUTER_FAILOVERS: Final = "ranker_router_failovers"  # counter {from_cohort, cohort}
+ROUTER_REJECTIONS: Final = "ranker_router_rejections"  # counter {reason}
+ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge
+ROUTER_CANARY_WEIGHT_BP: Final = "ranker_router_canary_weight_bp"  # gauge
+ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coalesced calls
+
+OUTCOMES: Final = ("ok", "error")  # "error": the cohort could not answer (before failover)
+REJECTION_REASONS: Final = ("invalid_request", "draining", "overloaded", "unavailable")
+
+# Bucket bounds (ms) for latency: fine below 100 ms where the SLO lives, coarse above.
+LATENCY_BOUNDARIES_MS: Final = (
+    1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 300, 500, 750,
+    1000, 2000, 5000, 10000, 30000,
+)  # fmt: skip
+BATCH_SIZE_BOUNDARIES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# --- replicas ---------------------------------------------------------------------------
+REPLICA_LOAD_STAGE_S: Final = "ranker_replica_load_stage_seconds"  # histogram {cohort, stage,
+#                                                                    result}
+REPLICA_DESIRED_REVISION: Final = "ranker_replica_desired_revision"  # gauge {cohort}
+REPLICA_ACTUAL_REVISION: Final = "ranker_replica_actual_revision"  # gauge {cohort}
+REPLICA_LOAD_FAILURES: Final = "ranker_replica_load_failures"  # counter {cohort, reason}
+REPLICA_BATCH_SIZE: Final = "ranker_replica_batch_size"  # histogram {cohort}: requests/forward
+
+LOAD_STAGES: Final = ("download", "verify", "load", "dry_run", "install", "total")
+LOAD_STAGE_BOUNDARIES_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90, 180, 600)
+
+
+def exported_name(name: str, *, kind: str) -> str:
+    """The series name in Ray's Prometheus output (``kind``: counter, gauge, histogram)."""
+    base = f"ray_{name}"
+    if kind == "counter":
+        return f"{base}_total"
+    if kind in ("gauge", "histogram"):
+        return base
+    raise ValueError(f"unknown metric kind {kind!r}")

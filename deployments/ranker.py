@@ -1,0 +1,155 @@
+"""The ranker replica as a Ray Serve deployment: a thin shell around app.replica.
+
+One class, bound twice by app.main as ``stable`` and ``canary``; they differ only in the
+``user_config`` they are given. The router calls ``rank`` with lists of already validated
+requests; ``__call__`` lets the deployment serve HTTP directly too (the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+from ray import serve
+from ray.serve import metrics
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app import telemetry as t
+from app.api import RequestInvalid, WireAnswer, WireRequest, parse_rank_body, to_wire
+from app.replica import ControllerRef, InstanceReport, RankerReplica, ReplicaConfig
+
+log = logging.getLogger("ray.serve")
+
+# Upper bound of the configurable batch size; @serve.batch's live value comes from user_config.
+MAX_BATCH_SIZE = 1024
+
+
+class ControllerSink:
+    """Sends reports to the rollout controller's named actor (fire and forget)."""
+
+    def __init__(self, ref: ControllerRef) -> None:
+        import ray
+
+        self._actor = ray.get_actor(ref.name, namespace=ref.namespace)
+
+    def send(self, report: InstanceReport) -> None:
+        self._actor.report_instance.remote(report.model_dump())
+
+
+class ServeMetricsObserver:
+    """app.replica's metric hooks on ray.serve.metrics (tags: application, deployment,
+    replica added by Ray; cohort added here)."""
+
+    def __init__(self) -> None:
+        self._cohort = "unknown"
+        self._stage = metrics.Histogram(
+            t.REPLICA_LOAD_STAGE_S,
+            description="Duration of each stage of loading a model target.",
+            boundaries=list(t.LOAD_STAGE_BOUNDARIES_S),
+            tag_keys=(t.COHORT, t.STAGE, t.RESULT),
+        )
+        self._desired = metrics.Gauge(
+            t.REPLICA_DESIRED_REVISION,
+            description="Revision of the target this replica should serve.",
+            tag_keys=(t.COHORT,),
+        )
+        self._actual = metrics.Gauge(
+            t.REPLICA_ACTUAL_REVISION,
+            description="Revision of the generation this replica serves.",
+            tag_keys=(t.COHORT,),
+        )
+        self._failures = metrics.Counter(
+            t.REPLICA_LOAD_FAILURES,
+            description="Failed attempts to load a target, by rejection category.",
+            tag_keys=(t.COHORT, t.REASON),
+        )
+        self._batch = metrics.Histogram(
+            t.REPLICA_BATCH_SIZE,
+            description="Requests per forward pass.",
+            boundaries=list(t.BATCH_SIZE_BOUNDARIES),
+            tag_keys=(t.COHORT,),
+        )
+
+    def set_cohort(self, cohort: str) -> None:
+        self._cohort = cohort
+
+    def load_stage(self, stage: str, seconds: float, ok: bool) -> None:
+        tags = {t.COHORT: self._cohort, t.STAGE: stage, t.RESULT: "ok" if ok else "error"}
+        self._stage.observe(seconds, tags=tags)
+
+    def revisions(self, desired: int | None, actual: int | None) -> None:
+        self._desired.set(desired or 0, tags={t.COHORT: self._cohort})
+        self._actual.set(actual or 0, tags={t.COHORT: self._cohort})
+
+    def load_failure(self, category: str) -> None:
+        self._failures.inc(tags={t.COHORT: self._cohort, t.REASON: category})
+
+    def batch_size(self, requests: int) -> None:
+        self._batch.observe(requests, tags={t.COHORT: self._cohort})
+
+
+@serve.deployment(max_ongoing_requests=MAX_BATCH_SIZE)
+class Ranker:
+    def __init__(self) -> None:
+        # Two cores are shared by the proxy, the router and every replica: one intra-op
+        # thread per replica avoids oversubscription (batching gives the parallelism).
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)
+
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._observer = ServeMetricsObserver()
+        self._core = RankerReplica(replica_id, sink_factory=ControllerSink, observer=self._observer)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        # Keep this instant after startup: Ray sends the replica no traffic while it runs.
+        config = ReplicaConfig.parse(user_config)
+        self._observer.set_cohort(config.cohort)
+        if self._core.reconfigure(config):
+            self._forward.set_max_batch_size(config.batching.max_batch_size)
+            self._forward.set_batch_wait_timeout_s(config.batching.batch_wait_timeout_s)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def _forward(self, calls: list[list[WireRequest]]) -> list[WireAnswer]:
+        """Concurrent handle calls (each already a batch from the router) share a forward."""
+        flat = [request for call in calls for request in call]
+        answer = self._core.rank(flat)
+        out: list[WireAnswer] = []
+        start = 0
+        for call in calls:
+            out.append(WireAnswer(answer.model, answer.rankings[start : start + len(call)]))
+            start += len(call)
+        return out
+
+    async def rank(self, batch: list[WireRequest]) -> WireAnswer:
+        return await self._forward(batch)
+
+    async def status(self) -> dict[str, Any]:
+        return self._core.report().model_dump()
+
+    async def __call__(self, request: Request) -> Response:
+        """Direct HTTP ingress (benchmark baseline): same parsing as the router."""
+        if request.method != "POST" or not request.url.path.endswith("/v1/rank"):
+            return Response(b'{"error":"not_found"}', status_code=404)
+        try:
+            body = parse_rank_body(await request.body())
+        except RequestInvalid as exc:
+            payload = {"error": exc.category, "field": exc.field, "detail": exc.detail}
+            return Response(json.dumps(payload), status_code=422, media_type="application/json")
+        answer = await self._forward([to_wire(body)])
+        meta = answer.model
+        payload = {
+            "ranking": [{"id": i, "score": s, "label": lb} for i, s, lb in answer.rankings[0]],
+            "model": meta._asdict(),
+        }
+        return Response(json.dumps(payload), media_type="application/json")
+
+    def check_health(self) -> None:
+        self._core.check_health()
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close()

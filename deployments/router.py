@@ -1,0 +1,414 @@
+"""The HTTP ingress: splits traffic between the stable and canary cohorts.
+
+A raw Starlette request handler, not FastAPI: the hop through this deployment is the cost to
+keep small (RAY_FACTS.md: a naive hop costs ~2/3 of throughput on 2 cores), and FastAPI's
+routing + response-model machinery is pure overhead for five fixed paths. Validation happens
+once, here (app.api), and the replicas receive compact, validated ``WireRequest``s.
+
+The other half of the cost is the handle call per request. ``CohortCoalescer`` keeps at most
+``coalesce_calls_per_replica`` handle calls in flight per replica of a cohort; requests that
+arrive meanwhile ride together in the next call. Idle: a request goes out alone at once (no
+added latency). Busy: one handle call carries many requests, and the replica's @serve.batch
+merges calls further.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ray import serve
+from ray.serve import metrics
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app import telemetry as t
+from app.api import (
+    CohortView,
+    ReplicaView,
+    RequestInvalid,
+    RouterConfig,
+    StatusResponse,
+    WireAnswer,
+    WireRequest,
+    parse_rank_body,
+    to_wire,
+)
+from app.routing import (
+    BASIS_POINTS,
+    CANARY,
+    COHORTS,
+    STABLE,
+    CohortHealth,
+    decide_route,
+    parse_forced_cohort,
+    request_key,
+    should_fail_over,
+)
+
+log = logging.getLogger("ray.serve")
+
+COHORT_HEADER = "x-ranker-cohort"
+JSON = "application/json"
+# A replica's probe answer is kept this many probe intervals before it is dropped from status.
+REPLICA_VIEW_TTL_INTERVALS = 30
+
+
+class CohortCoalescer:
+    """Coalesces concurrent requests for one cohort into few handle calls."""
+
+    def __init__(
+        self,
+        send: Callable[[list[WireRequest]], Awaitable[WireAnswer]],
+        *,
+        max_calls: int,
+        max_batch: int,
+    ) -> None:
+        self._send = send
+        self.max_calls = max_calls
+        self.max_batch = max_batch
+        self._pending: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]] = []
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, request: WireRequest) -> tuple[Any, Any]:
+        """(ModelMeta, ranking) for one request; raises what the handle call raised."""
+        future: asyncio.Future[tuple[Any, Any]] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._in_flight < self.max_calls:
+            self._launch()
+        return await future
+
+    def _launch(self) -> None:
+        batch = self._pending[: self.max_batch]
+        del self._pending[: self.max_batch]
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]]):
+        try:
+            answer = await self._send([request for request, _ in batch])
+        except BaseException as exc:  # handed to every waiter
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+        else:
+            for (_, future), ranking in zip(batch, answer.rankings, strict=True):
+                if not future.done():
+                    future.set_result((answer.model, ranking))
+        finally:
+            self._in_flight -= 1
+            if self._pending and self._in_flight < self.max_calls:
+                self._launch()
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.requests = metrics.Counter(
+            t.ROUTER_REQUESTS,
+            description="Rank requests by the cohort asked and the outcome of asking it.",
+            tag_keys=(t.COHORT, t.OUTCOME),
+        )
+        self.latency = metrics.Histogram(
+            t.ROUTER_LATENCY_MS,
+            description="End-to-end latency of rank requests in the router (ms).",
+            boundaries=list(t.LATENCY_BOUNDARIES_MS),
+            tag_keys=(t.COHORT, t.OUTCOME),
+        )
+        self.failovers = metrics.Counter(
+            t.ROUTER_FAILOVERS,
+            description="Requests answered by the other cohort than the one bucketed.",
+            tag_keys=(t.FROM_COHORT, t.COHORT),
+        )
+        self.rejections = metrics.Counter(
+            t.ROUTER_REJECTIONS,
+            description="Rank requests refused by the router, by reason.",
+            tag_keys=(t.REASON,),
+        )
+        self.canary_weight = metrics.Gauge(
+            t.ROUTER_CANARY_WEIGHT_BP, description="Canary weight in basis points."
+        )
+        self.batch = metrics.Histogram(
+            t.ROUTER_BATCH_SIZE,
+            description="Requests per coalesced handle call.",
+            boundaries=list(t.BATCH_SIZE_BOUNDARIES),
+            tag_keys=(t.COHORT,),
+        )
+
+
+def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(payload), status_code=status, media_type=JSON, headers=headers)
+
+
+@serve.deployment(max_ongoing_requests=1024)
+class Router:
+    def __init__(self, stable: DeploymentHandle, canary: DeploymentHandle) -> None:
+        self._handles = {STABLE: stable, CANARY: canary}
+        self._rank_handles = {c: h.options(method_name="rank") for c, h in self._handles.items()}
+        self._config = RouterConfig()
+        self._health = {c: CohortHealth() for c in COHORTS}
+        self._views: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {c: {} for c in COHORTS}
+        self._coalescers = {
+            c: CohortCoalescer(
+                self._sender(c),
+                max_calls=self._config.coalesce_calls_per_replica,
+                max_batch=self._config.coalesce_max_batch,
+            )
+            for c in COHORTS
+        }
+        self._rng = random.Random()
+        self._in_flight = 0
+        self._request_counts: dict[tuple[str, str], int] = {}
+        self._metrics = RouterMetrics()
+        self._probe_task: asyncio.Task[None] | None = None
+        self._first_probe = asyncio.Event()
+
+    # ------------------------------------------------------------------ config
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        config = RouterConfig.model_validate(user_config)
+        self._config = config
+        for cohort in COHORTS:
+            self._size_coalescer(cohort)
+        self._metrics.canary_weight.set(config.canary_bp)
+
+    def _size_coalescer(self, cohort: str) -> None:
+        coalescer = self._coalescers[cohort]
+        replicas = max(1, len(self._views[cohort]))
+        coalescer.max_calls = self._config.coalesce_calls_per_replica * replicas
+        coalescer.max_batch = self._config.coalesce_max_batch
+
+    # ------------------------------------------------------------------ cohort calls
+
+    def _sender(self, cohort: str) -> Callable[[list[WireRequest]], Awaitable[WireAnswer]]:
+        async def send(batch: list[WireRequest]) -> WireAnswer:
+            self._metrics.batch.observe(len(batch), tags={t.COHORT: cohort})
+            response = self._rank_handles[cohort].remote(batch)
+            try:
+                return await asyncio.wait_for(response, self._config.request_timeout_s)
+            except TimeoutError:
+                response.cancel()
+                raise
+
+        return send
+
+    def _ensure_probing(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        next_probe = 0.0
+        while True:
+            if time.monotonic() >= next_probe:
+                await asyncio.gather(*(self._probe(c) for c in COHORTS))
+                self._first_probe.set()
+                next_probe = time.monotonic() + self._config.probe_interval_s
+            self._flush_counts()
+            await asyncio.sleep(min(1.0, self._config.probe_interval_s))
+
+    async def _probe(self, cohort: str) -> None:
+        """Ask one replica of the cohort for its report (two, to see more replicas)."""
+        timeout = max(0.5, min(2.0, 2 * self._config.probe_interval_s))
+        now = time.monotonic()
+        serving = False
+        answered = False
+        for _ in range(2):
+            try:
+                report = await asyncio.wait_for(
+                    self._handles[cohort].status.remote(), timeout=timeout
+                )
+            except Exception:
+                continue
+            answered = True
+            self._views[cohort][report["replica_id"]] = (now, report)
+            serving = serving or report.get("actual_revision") is not None
+        self._health[cohort].record_probe(serving)
+        if not answered:
+            self._views[cohort].clear()
+        ttl = REPLICA_VIEW_TTL_INTERVALS * self._config.probe_interval_s
+        for rid, (seen, _) in list(self._views[cohort].items()):
+            if now - seen > ttl:
+                del self._views[cohort][rid]
+        self._size_coalescer(cohort)
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def __call__(self, request: Request) -> Response:
+        self._ensure_probing()
+        path = request.url.path.rstrip("/")
+        if path.endswith("/v1/rank"):
+            if request.method != "POST":
+                return _json(405, {"error": "method_not_allowed", "detail": "use POST"})
+            return await self._rank(request)
+        if request.method != "GET":
+            return _json(405, {"error": "method_not_allowed", "detail": "use GET"})
+        if path.endswith("/v1/status"):
+            return _json(200, self.status().model_dump())
+        if path.endswith("/livez"):
+            return _json(200, {"live": True})
+        if path.endswith("/startupz"):
+            started = await self._serving()
+            return _json(200 if started else 503, {"started": started})
+        if path.endswith("/readyz"):
+            started = await self._serving()
+            ready = started and not self._config.draining
+            why = "draining" if self._config.draining else ("ok" if started else "no_model")
+            headers = None if ready else {"Retry-After": str(self._config.retry_after_s)}
+            return _json(200 if ready else 503, {"ready": ready, "reason": why}, headers)
+        return _json(404, {"error": "not_found", "detail": f"no route {path or '/'}"})
+
+    async def _serving(self) -> bool:
+        """A verified model serves in at least one cohort (after at least one probe)."""
+        if not self._first_probe.is_set():
+            try:
+                await asyncio.wait_for(self._first_probe.wait(), timeout=5.0)
+            except TimeoutError:
+                return False
+        return any(self._health[c].serving for c in COHORTS)
+
+    def _reject(self, status: int, reason: str, detail: str, **extra: Any) -> Response:
+        self._metrics.rejections.inc(tags={t.REASON: reason})
+        headers = None
+        if status == 503:
+            headers = {"Retry-After": str(self._config.retry_after_s)}
+        return _json(status, {"error": reason, "detail": detail, **extra}, headers)
+
+    async def _rank(self, request: Request) -> Response:
+        config = self._config
+        if config.draining:
+            return self._reject(503, "draining", "the router is draining; retry shortly")
+        if self._in_flight >= config.max_in_flight:
+            return self._reject(503, "overloaded", f"over {config.max_in_flight} requests")
+        self._in_flight += 1
+        try:
+            return await self._rank_admitted(request, config)
+        finally:
+            self._in_flight -= 1
+
+    async def _rank_admitted(self, request: Request, config: RouterConfig) -> Response:
+        started = time.perf_counter()
+        try:
+            body = parse_rank_body(await request.body())
+            forced = parse_forced_cohort(
+                request.headers.get(COHORT_HEADER), allowed=config.allow_cohort_header
+            )
+        except RequestInvalid as exc:
+            return self._reject(422, exc.category, exc.detail, field=exc.field)
+        except ValueError as exc:
+            return self._reject(422, "invalid_request", str(exc), field=COHORT_HEADER)
+        wire = to_wire(body)
+        decision = decide_route(
+            canary_bp=config.canary_bp,
+            salt=config.salt,
+            key=request_key(body.user_id, body.session_id),
+            forced=forced,
+            health=self._health,
+            now=time.monotonic(),
+            random_bp=lambda: self._rng.randrange(BASIS_POINTS),
+            failover=config.failover,
+        )
+        cohort = decision.primary
+        try:
+            meta, ranking = await self._coalescers[cohort].submit(wire)
+        except Exception as exc:
+            self._observe(cohort, "error", started)
+            self._health[cohort].record_failure(time.monotonic())
+            if not should_fail_over(decision, self._health, time.monotonic()):
+                log.warning("cohort %s could not answer and no failover: %s", cohort, exc)
+                return self._reject(503, "unavailable", f"cohort {cohort} could not answer")
+            assert decision.fallback is not None
+            log.info("failover %s -> %s: %s", cohort, decision.fallback, type(exc).__name__)
+            cohort = decision.fallback
+            try:
+                meta, ranking = await self._coalescers[cohort].submit(wire)
+            except Exception as exc2:
+                self._observe(cohort, "error", started)
+                self._health[cohort].record_failure(time.monotonic())
+                log.warning("failover to %s failed too: %s", cohort, exc2)
+                return self._reject(503, "unavailable", "no cohort could answer")
+        self._health[cohort].record_success()
+        failover = cohort != decision.bucketed
+        if failover:
+            self._metrics.failovers.inc(tags={t.FROM_COHORT: decision.bucketed, t.COHORT: cohort})
+        self._observe(cohort, "ok", started)
+        payload = {
+            "ranking": [{"id": i, "score": s, "label": lb} for i, s, lb in ranking],
+            "model": {
+                "artifact_id": meta.artifact_id,
+                "revision": meta.revision,
+                "cohort": meta.cohort,
+                "runtime_build": meta.runtime_build,
+                "replica": meta.replica,
+            },
+            "failover": failover,
+        }
+        headers = {
+            "X-Model-Artifact": meta.artifact_id,
+            "X-Model-Revision": str(meta.revision),
+            "X-Model-Cohort": meta.cohort,
+        }
+        return _json(200, payload, headers)
+
+    def _observe(self, cohort: str, outcome: str, started: float) -> None:
+        key = (cohort, outcome)
+        self._request_counts[key] = self._request_counts.get(key, 0) + 1
+        tags = {t.COHORT: cohort, t.OUTCOME: outcome}
+        self._metrics.latency.observe((time.perf_counter() - started) * 1000.0, tags=tags)
+
+    def _flush_counts(self) -> None:
+        # Request counts are added up locally and flushed with every probe round (<= 1 s):
+        # one metric call per request is a measurable part of the hop's cost on 2 cores.
+        counts, self._request_counts = self._request_counts, {}
+        for (cohort, outcome), n in counts.items():
+            self._metrics.requests.inc(n, tags={t.COHORT: cohort, t.OUTCOME: outcome})
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> StatusResponse:
+        now = time.monotonic()
+        weights = {CANARY: self._config.canary_bp, STABLE: BASIS_POINTS - self._config.canary_bp}
+        cohorts = []
+        for cohort in COHORTS:
+            replicas = []
+            for rid, (seen, rep) in sorted(self._views[cohort].items()):
+                replicas.append(
+                    ReplicaView(
+                        replica=rid,
+                        cohort=cohort,
+                        phase=rep.get("phase", "unknown"),
+                        desired_revision=rep.get("desired_revision"),
+                        desired_artifact=rep.get("desired_artifact"),
+                        actual_revision=rep.get("actual_revision"),
+                        actual_artifact=rep.get("actual_artifact"),
+                        last_error=rep.get("last_error"),
+                        seen_s_ago=round(now - seen, 3),
+                    )
+                )
+            health = self._health[cohort]
+            cohorts.append(
+                CohortView(
+                    cohort=cohort,
+                    weight_bp=weights[cohort],
+                    serving=health.serving,
+                    breaker_open=health.is_open(now),
+                    replicas=replicas,
+                )
+            )
+        return StatusResponse(
+            draining=self._config.draining,
+            in_flight=self._in_flight,
+            canary_bp=self._config.canary_bp,
+            cohorts=cohorts,
+        )
+
+    def __del__(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()

@@ -1,0 +1,369 @@
+"""The serving data plane on a real Ray Serve cluster, under concurrent load.
+
+Every test that changes a target or a weight does it through the declarative config (REST PUT
+of a user_config change), as the rollout controller will, and requires ZERO non-2xx answers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import APP, Cluster, Load, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def replica_ids(cluster: Cluster, deployment: str) -> set[tuple[str, int]]:
+    return {(r["replica_id"], r["pid"]) for r in cluster.rest.replicas(APP, deployment)}
+
+
+def test_hot_swap_v41_to_v42_in_place_under_load(serving: Cluster) -> None:
+    cluster = serving
+    before = replica_ids(cluster, "stable")
+    revision = cluster.revision()
+    with Load(cluster.http_url) as load:
+        wait_for(lambda: load.count() >= 20, 60, "traffic on v41")
+        cluster.set_target("stable", cluster.target(cluster.demo["ranker-v42"], revision))
+        cluster.wait_cohort_serving("stable", "ranker-v42", revision)
+        swapped_at = load.count()
+        wait_for(lambda: load.count() >= swapped_at + 20, 60, "traffic after the swap")
+    load.assert_all_ok()
+    served = [(a.artifact, a.revision) for a in load.answers]
+    assert served[0][0] == "ranker-v41"
+    assert ("ranker-v42", revision) in served
+    # After every replica reported v42, nothing answers with v41 any more.
+    assert {a.artifact for a in load.answers[swapped_at:]} == {"ranker-v42"}
+    # In place: the same replicas (ids and PIDs) before and after; no restart.
+    assert replica_ids(cluster, "stable") == before
+
+
+def test_same_config_again_is_a_no_op(serving: Cluster) -> None:
+    cluster = serving
+    reports = cluster.latest_reports("stable")
+    installs_before = {rid: rep["actual_revision"] for rid, rep in reports.items()}
+    # Re-PUT the identical user_config: nothing reloads, nothing restarts.
+    cluster.rest.update_user_configs(APP, {"stable": lambda cfg: cfg})
+    after = cluster.latest_reports("stable")
+    assert {rid: rep["actual_revision"] for rid, rep in after.items()} == installs_before
+
+
+# --------------------------------------------------------------------------- bad candidates
+
+BAD_CANDIDATES = [
+    # (builder, tampering, expected rejection categories)
+    ("wrong_schema", None, {"schema"}),
+    ("wrong_shape", None, {"load"}),
+    ("nan_weights", None, {"dry_run"}),
+    ("good", "truncate", {"size", "missing"}),
+    ("good", "flip", {"digest"}),
+]
+
+
+def build_bad(cluster: Cluster, kind: str, tamper: str | None, n: int):
+    from tests import artifacts
+
+    root = cluster.work / f"bad-{n}"
+    if kind == "good":
+        packed = artifacts.good_artifact(root, artifact_id=f"ranker-tampered-{n}", seed=100 + n)
+    else:
+        packed = getattr(artifacts, f"{kind}_artifact")(root)
+    if tamper == "truncate":
+        artifacts.truncate_file(packed, "weights.safetensors")
+    elif tamper == "flip":
+        artifacts.flip_byte(packed, "weights.safetensors")
+    return packed
+
+
+def test_bad_candidates_leave_v41_serving_and_are_reported(serving: Cluster) -> None:
+    cluster = serving
+    baseline = {
+        rid: rep["actual_revision"] for rid, rep in cluster.latest_reports("stable").items()
+    }
+    with Load(cluster.http_url) as load:
+        for n, (kind, tamper, categories) in enumerate(BAD_CANDIDATES):
+            packed = build_bad(cluster, kind, tamper, n)
+            revision = cluster.revision()
+            cluster.set_target("stable", cluster.target(packed, revision))
+
+            def failed_everywhere(revision: int = revision, categories=categories) -> bool:
+                reports = cluster.latest_reports("stable")
+                assert len(reports) == len(baseline)
+                for rep in reports.values():
+                    err = rep["last_error"]
+                    assert rep["phase"] == "failed" and err and err["revision"] == revision, rep
+                    assert err["category"] in categories, err
+                    assert rep["actual_artifact"] == "ranker-v41", rep
+                return True
+
+            wait_for(failed_everywhere, 60, f"{kind}/{tamper} rejected on every replica")
+        seen = load.count()
+        wait_for(lambda: load.count() >= seen + 10, 60, "traffic after the last rejection")
+    load.assert_all_ok()
+    assert {a.artifact for a in load.answers} == {"ranker-v41"}
+    # Nothing restarted: the same replicas still serve.
+    assert set(cluster.latest_reports("stable")) == set(baseline)
+
+
+# --------------------------------------------------------------------------- slow candidate
+
+
+def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster) -> None:
+    from tests import artifacts
+    from tests.e2e.artifact_server import GatedArtifactServer
+
+    cluster = serving
+    store = cluster.work / "http-store"
+    store.mkdir(exist_ok=True)
+    slow = artifacts.good_artifact(store, artifact_id="ranker-slow", seed=7)
+    server = GatedArtifactServer(store)
+    try:
+        server.hold("ranker-slow")
+        slow_rev, rollback_rev = cluster.revision(), cluster.revision()
+        slow_target = {
+            **cluster.target(slow, slow_rev),
+            "manifest_uri": server.manifest_uri("ranker-slow"),
+        }
+        with Load(cluster.http_url) as load:
+            cluster.set_target("stable", slow_target)
+            wait_for(lambda: server.waiting("ranker-slow") >= 1, 60, "slow download started")
+
+            def loading() -> bool:
+                for rep in cluster.latest_reports("stable").values():
+                    assert rep["desired_revision"] == slow_rev and rep["phase"] == "loading", rep
+                return True
+
+            wait_for(loading, 30, "every stable replica loading the slow candidate")
+            # Rollback while the candidate is still downloading.
+            cluster.set_target("stable", cluster.target(cluster.demo["ranker-v41"], rollback_rev))
+            wait_for(
+                lambda: all(
+                    r["desired_revision"] == rollback_rev
+                    for r in cluster.latest_reports("stable").values()
+                ),
+                30,
+                "rollback target recorded",
+            )
+            server.release("ranker-slow")
+            cluster.wait_cohort_serving("stable", "ranker-v41", rollback_rev)
+            for rep in cluster.latest_reports("stable").values():
+                assert slow_rev in rep["discarded_revisions"], rep
+        load.assert_all_ok()
+        assert "ranker-slow" not in {a.artifact for a in load.answers}
+        history = ray_history(cluster)
+        assert not [h for h in history if h["actual_artifact"] == "ranker-slow"]
+    finally:
+        server.close()
+
+
+def ray_history(cluster: Cluster) -> list[dict]:
+    import ray
+
+    return ray.get(cluster.reports.get_history.remote())
+
+
+# --------------------------------------------------------------------------- router split
+
+
+def rank_many(cluster: Cluster, users: list[str | None]) -> list[dict]:
+    """POST one request per user (concurrently); return (user, cohort, artifact, headers)."""
+    import asyncio
+
+    import httpx
+
+    from tests.e2e.conftest import rank_body
+
+    async def main() -> list[dict]:
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=30) as client:
+
+            async def one(user: str | None) -> dict:
+                async with sem:
+                    r = await client.post("/v1/rank", json=rank_body(user, n=4, top_n=2))
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert r.headers["X-Model-Cohort"] == body["model"]["cohort"]
+                assert r.headers["X-Model-Artifact"] == body["model"]["artifact_id"]
+                assert r.headers["X-Model-Revision"] == str(body["model"]["revision"])
+                return {"user": user, **body["model"], "failover": body["failover"]}
+
+            return await asyncio.gather(*(one(u) for u in users))
+
+    return asyncio.run(main())
+
+
+def set_weight(cluster: Cluster, canary_bp: int) -> None:
+    cluster.set_router(canary_bp=canary_bp)
+    wait_for(lambda: cluster.status()["canary_bp"] == canary_bp, 30, f"router at {canary_bp} bp")
+
+
+def test_bucketing_is_deterministic_and_monotone(serving: Cluster) -> None:
+    cluster = serving
+    users = [f"user-{i}" for i in range(300)]
+    canary_at: dict[int, set[str]] = {}
+    for weight in (500, 2500):
+        set_weight(cluster, weight)
+        first = rank_many(cluster, users)
+        again = rank_many(cluster, users)
+        assert [a["cohort"] for a in first] == [a["cohort"] for a in again], "not deterministic"
+        assert not any(a["failover"] for a in first)
+        for a in first:
+            expected = "ranker-v42" if a["cohort"] == "canary" else "ranker-v41"
+            assert a["artifact_id"] == expected, a
+        canary_at[weight] = {a["user"] for a in first if a["cohort"] == "canary"}
+    assert canary_at[500] <= canary_at[2500], "a user left the canary when its weight grew"
+    assert 3 <= len(canary_at[500]) <= 35  # ~5% of 300
+    assert 45 <= len(canary_at[2500]) <= 110  # ~25% of 300
+    # No key: a random split, so both cohorts answer.
+    anonymous = rank_many(cluster, [None] * 120)
+    assert {a["cohort"] for a in anonymous} == {"stable", "canary"}
+
+
+def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
+    import ray
+
+    cluster = serving
+    set_weight(cluster, 5000)
+    with Load(cluster.http_url, concurrency=4) as load:
+        wait_for(lambda: any(a.cohort == "canary" for a in load.answers), 60, "canary traffic")
+        killed = cluster.rest.replicas(APP, "canary")
+        for rep in killed:
+            actor = ray.get_actor(rep["actor_name"], namespace="serve")
+            ray.kill(actor, no_restart=True)
+        mark = load.count()
+        wait_for(
+            lambda: any(a.failover and a.cohort == "stable" for a in load.answers[mark:]),
+            60,
+            "canary-bucketed requests answered by stable",
+        )
+        # Serve replaces the killed replica; the canary takes its share back.
+        gone = {r["replica_id"] for r in killed}
+
+        def canary_back() -> bool:
+            fresh = [
+                a for a in load.answers[mark:] if a.cohort == "canary" and a.replica not in gone
+            ]
+            return len(fresh) >= 3
+
+        wait_for(canary_back, 120, "a new canary replica answering")
+    load.assert_all_ok()
+
+
+# --------------------------------------------------------------------------- drain, errors
+
+
+def test_readyz_503_while_draining_and_the_client_rides_it_out(serving: Cluster) -> None:
+    import httpx
+
+    from app.client import RankerClient, RetryPolicy
+    from tests.e2e.conftest import rank_body
+
+    cluster = serving
+    assert httpx.get(f"{cluster.http_url}/readyz").status_code == 200
+    cluster.set_router(draining=True)
+    wait_for(lambda: httpx.get(f"{cluster.http_url}/readyz").status_code == 503, 30, "readyz 503")
+    ready = httpx.get(f"{cluster.http_url}/readyz")
+    assert ready.headers["Retry-After"] == "1" and ready.json()["reason"] == "draining"
+    rank = httpx.post(f"{cluster.http_url}/v1/rank", json=rank_body("u"))
+    assert rank.status_code == 503 and rank.headers["Retry-After"] == "1"
+    assert rank.json()["error"] == "draining"
+    assert httpx.get(f"{cluster.http_url}/livez").status_code == 200
+    assert httpx.get(f"{cluster.http_url}/startupz").status_code == 200
+
+    undrained = []
+
+    def sleep_and_undrain(seconds: float) -> None:
+        # The operator ends the drain while the client is waiting out Retry-After.
+        if not undrained:
+            cluster.set_router(draining=False)
+            undrained.append(True)
+        import time
+
+        time.sleep(seconds)
+
+    policy = RetryPolicy(max_attempts=20, deadline_s=60)
+    with RankerClient(cluster.http_url, policy=policy, sleep=sleep_and_undrain) as client:
+        result = client.rank(rank_body("u"))
+    assert result.status == 200 and result.attempts >= 2
+    assert httpx.get(f"{cluster.http_url}/readyz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b["candidates"][1].update(features=[0.0] * 79), "candidates[1].features"),
+        (
+            lambda b: b["candidates"][0]["features"].__setitem__(5, "NaN"),
+            "candidates[0].features[5]",
+        ),
+        (lambda b: b.update(candidates=[]), "candidates"),
+        (lambda b: b.update(candidates=b["candidates"] * 300), "candidates"),
+        (lambda b: b.update(context={"surface": "moon"}), "context.surface"),
+        (lambda b: b.update(top_n=0), "top_n"),
+        (lambda b: b.update(colour="red"), "colour"),
+    ],
+)
+def test_client_mistakes_get_422_naming_the_field(cluster: Cluster, mutate, field: str) -> None:
+    import json
+
+    import httpx
+
+    from tests.e2e.conftest import rank_body
+
+    body = rank_body("u")
+    mutate(body)
+    raw = json.dumps(body).replace('"NaN"', "NaN")
+    r = httpx.post(
+        f"{cluster.http_url}/v1/rank", content=raw, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == field, r.json()
+
+
+def test_protocol_mistakes_are_4xx_never_500(cluster: Cluster) -> None:
+    import httpx
+
+    from tests.e2e.conftest import rank_body
+
+    url = cluster.http_url
+    assert httpx.post(f"{url}/v1/rank", content=b"{not json").status_code == 422
+    assert httpx.post(f"{url}/v1/rank", content=b"").status_code == 422
+    assert httpx.get(f"{url}/v1/rank").status_code == 405
+    assert httpx.get(f"{url}/nowhere").status_code == 404
+    r = httpx.post(f"{url}/v1/rank", json=rank_body("u"), headers={"X-Ranker-Cohort": "blue"})
+    assert r.status_code == 422 and r.json()["field"] == "x-ranker-cohort"
+    forced = httpx.post(
+        f"{url}/v1/rank", json=rank_body("u"), headers={"X-Ranker-Cohort": "canary"}
+    )
+    assert forced.status_code == 200 and forced.json()["model"]["cohort"] == "canary"
+
+
+def test_status_and_metrics_carry_the_cohorts(serving: Cluster) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app import telemetry as t
+
+    cluster = serving
+    set_weight(cluster, 5000)
+    rank_many(cluster, [f"m-{i}" for i in range(40)])
+    status = cluster.status()
+    cohorts = {c["cohort"]: c for c in status["cohorts"]}
+    assert cohorts["canary"]["weight_bp"] == 5000 and cohorts["stable"]["weight_bp"] == 5000
+    assert cohorts["stable"]["serving"] and cohorts["canary"]["serving"]
+    assert all(r["actual_artifact"] == "ranker-v41" for r in cohorts["stable"]["replicas"])
+
+    def exported() -> bool:
+        text = httpx.get(cluster.metrics_url, timeout=10).text
+        seen: dict[str, set[str]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                seen.setdefault(sample.name, set()).add(sample.labels.get(t.COHORT, ""))
+        requests = seen.get(t.exported_name(t.ROUTER_REQUESTS, kind="counter"), set())
+        assert {"stable", "canary"} <= requests, sorted(seen)[:50]
+        assert {"stable", "canary"} <= seen.get(
+            t.exported_name(t.REPLICA_ACTUAL_REVISION, kind="gauge"), set()
+        )
+        assert seen.get(t.exported_name(t.ROUTER_LATENCY_MS, kind="histogram") + "_bucket")
+        return True
+
+    wait_for(exported, 60, "router and replica metrics exported with cohort labels")

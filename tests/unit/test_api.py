@@ -1,0 +1,111 @@
+"""Request validation at the router: one pass, 422 naming the field, compact wire form."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from app.api import (
+    MAX_BODY_BYTES,
+    RequestInvalid,
+    RouterConfig,
+    parse_rank_body,
+    to_wire,
+)
+from app.features import MAX_CANDIDATES, NUM_FEATURES
+
+
+def body(**overrides: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "user_id": "alice",
+        "context": {"surface": "search", "hour_of_day": 9},
+        "candidates": [
+            {"id": f"c{i}", "features": [float(i)] * (NUM_FEATURES - 1) + [None]} for i in range(3)
+        ],
+        "top_n": 2,
+    }
+    doc.update(overrides)
+    return doc
+
+
+def invalid(raw: bytes | dict[str, Any]) -> RequestInvalid:
+    data = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    with pytest.raises(RequestInvalid) as info:
+        parse_rank_body(data)
+    return info.value
+
+
+def test_a_valid_body_becomes_a_compact_wire_request() -> None:
+    parsed = parse_rank_body(json.dumps(body()).encode())
+    wire = to_wire(parsed)
+    assert wire.candidate_ids == ("c0", "c1", "c2")
+    assert wire.features.dtype == np.float32 and wire.features.shape == (3, NUM_FEATURES)
+    assert math.isnan(wire.features[0, -1])  # null = missing, filled by the model
+    assert wire.top_n == 2 and wire.context == {"surface": "search", "hour_of_day": 9}
+
+
+def test_defaults() -> None:
+    doc = body()
+    del doc["user_id"], doc["context"], doc["top_n"]
+    parsed = parse_rank_body(json.dumps(doc).encode())
+    assert parsed.user_id is None and parsed.context == {} and parsed.top_n == 10
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "words"),
+    [
+        (body(candidates=[]), "candidates", "at least 1"),
+        (body(candidates=[{"id": "a", "features": [1.0] * 79}]), "candidates[0].features", "80"),
+        (body(candidates=[{"id": "", "features": [1.0] * 80}]), "candidates[0].id", "at least 1"),
+        (body(top_n=0), "top_n", "greater than or equal"),
+        (body(context={"surface": "moon"}), "context.surface", "not one of"),
+        (body(context={"weather": "rain"}), "context.weather", "unknown context field"),
+        (body(colour="red"), "colour", "Extra inputs"),
+        (
+            body(candidates=[{"id": "a", "features": [1.0] * 80}] * 2),
+            "candidates[1].id",
+            "duplicate",
+        ),
+        (
+            body(
+                candidates=[
+                    {"id": f"c{i}", "features": [0.0] * 80} for i in range(MAX_CANDIDATES + 1)
+                ]
+            ),
+            "candidates",
+            "at most",
+        ),
+    ],
+)
+def test_mistakes_name_the_field(doc: dict[str, Any], field: str, words: str) -> None:
+    err = invalid(doc)
+    assert err.field == field, err
+    assert words in err.detail, err.detail
+
+
+def test_nan_and_infinity_are_refused_with_their_position() -> None:
+    raw = json.dumps(body()).replace("2.0, 2.0", "2.0, NaN", 1).encode()
+    err = invalid(raw)
+    assert err.field.startswith("candidates[2].features[") and "finite" in err.detail
+    raw = json.dumps(body()).replace("1.0, 1.0", "1.0, Infinity", 1).encode()
+    assert "finite" in invalid(raw).detail
+
+
+def test_unparseable_empty_and_oversized_bodies() -> None:
+    assert invalid(b"{not json").field == "body"
+    assert invalid(b"").field == "body"
+    assert invalid(b" " * (MAX_BODY_BYTES + 1)).field == "body"
+    assert invalid(b"[1, 2]").field == "body"
+
+
+def test_router_config_bounds() -> None:
+    assert RouterConfig().canary_bp == 0 and not RouterConfig().allow_cohort_header
+    with pytest.raises(ValidationError, match="canary_bp"):
+        RouterConfig(canary_bp=10001)
+    with pytest.raises(ValidationError, match="extra"):
+        RouterConfig.model_validate({"canary_weight": 5})

@@ -1,0 +1,301 @@
+"""The reconciler's worker with named fake loaders (no Ray, no torch).
+
+Loads are held with events the test releases, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from app.errors import ArtifactRejected
+from app.reconciler import (
+    BackoffPolicy,
+    Decision,
+    Phase,
+    ReconcileEvent,
+    Reconciler,
+    Target,
+    is_retryable,
+)
+
+FAST = BackoffPolicy(initial_s=0.01, multiplier=2.0, cap_s=0.05, max_attempts=4)
+
+
+def target(revision: int, artifact: str = "a") -> Target:
+    return Target(
+        revision=revision,
+        artifact_id=artifact,
+        manifest_uri=f"file:///store/{artifact}/manifest.json",
+        manifest_sha256=(artifact.encode().hex() * 64)[:64],
+        feature_schema="ranker-features-v3",
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, desc: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for: {desc}")
+
+
+@dataclass
+class Loaded:
+    target: Target
+    discarded: bool = False
+
+
+@dataclass
+class GatedLoader:
+    """Loads block until their artifact's gate is opened; scripted failures per artifact."""
+
+    gates: dict[str, threading.Event] = field(default_factory=dict)
+    failures: dict[str, list[Exception]] = field(default_factory=dict)
+    started: list[Target] = field(default_factory=list)
+    installed: list[Target] = field(default_factory=list)
+    discarded: list[Target] = field(default_factory=list)
+    refuse_install: bool = False
+
+    def gate(self, artifact: str) -> threading.Event:
+        return self.gates.setdefault(artifact, threading.Event())
+
+    def load(self, t: Target) -> Loaded:
+        self.started.append(t)
+        if t.artifact_id in self.gates:
+            assert self.gates[t.artifact_id].wait(10), "gate never opened"
+        script = self.failures.get(t.artifact_id)
+        if script:
+            raise script.pop(0)
+        return Loaded(t)
+
+    def install(self, t: Target, loaded: Loaded) -> bool:
+        if self.refuse_install:
+            return False
+        self.installed.append(t)
+        return True
+
+    def discard(self, loaded: Loaded) -> None:
+        loaded.discarded = True
+        self.discarded.append(loaded.target)
+
+
+@pytest.fixture
+def events() -> list[ReconcileEvent]:
+    return []
+
+
+def make(loader: GatedLoader, events: list[ReconcileEvent]) -> Reconciler[Loaded]:
+    return Reconciler(loader, policy=FAST, on_event=events.append, rng=random.Random(1))
+
+
+def test_startup_load_is_synchronous() -> None:
+    loader = GatedLoader()
+    rec = make(loader, [])
+    rec.load_blocking(target(1))
+    snap = rec.snapshot()
+    assert snap.actual == target(1) and snap.phase is Phase.READY
+    assert loader.installed == [target(1)]
+    rec.close()
+
+
+def test_startup_failure_raises_and_installs_nothing() -> None:
+    loader = GatedLoader(failures={"bad": [ArtifactRejected("schema", "wrong schema")]})
+    rec = make(loader, [])
+    with pytest.raises(ArtifactRejected, match="schema"):
+        rec.load_blocking(target(1, "bad"))
+    assert loader.installed == [] and rec.snapshot().actual is None
+    rec.close()
+
+
+def test_startup_retries_transient_failures() -> None:
+    loader = GatedLoader(failures={"a": [OSError("connection reset")]})
+    rec = make(loader, [])
+    rec.load_blocking(target(1))
+    assert rec.snapshot().actual == target(1)
+    assert len(loader.started) == 2
+    rec.close()
+
+
+def test_submit_returns_at_once_and_the_worker_installs(events: list[ReconcileEvent]) -> None:
+    loader = GatedLoader()
+    gate = loader.gate("b")
+    rec = make(loader, events)
+    rec.load_blocking(target(1, "a"))
+    assert rec.submit(target(2, "b")) is Decision.ACCEPTED  # returns while the load is held
+    wait_for(lambda: loader.started[-1] == target(2, "b"), desc="load of b started")
+    assert rec.snapshot().actual == target(1, "a")
+    assert rec.snapshot().phase is Phase.LOADING
+    gate.set()
+    assert rec.wait_settled(5)
+    assert rec.snapshot().actual == target(2, "b")
+    assert [e.kind for e in events][-2:] == ["loading", "installed"]
+    rec.close()
+
+
+def test_unchanged_late_and_conflicting_targets(events: list[ReconcileEvent]) -> None:
+    loader = GatedLoader()
+    rec = make(loader, events)
+    rec.load_blocking(target(5, "a"))
+    assert rec.submit(target(5, "a")) is Decision.UNCHANGED
+    assert rec.submit(target(4, "z")) is Decision.LATE
+    assert rec.submit(target(5, "z")) is Decision.CONFLICT
+    assert rec.wait_settled(5)
+    assert loader.installed == [target(5, "a")]  # nothing else was even loaded
+    assert [t.artifact_id for t in loader.started] == ["a"]
+    assert {e.kind for e in events} >= {"unchanged", "late", "conflict"}
+    rec.close()
+
+
+def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
+    events: list[ReconcileEvent],
+) -> None:
+    # Regression guard for DESIGN.md "desired re-checked before install": a rollback issued
+    # while a slow candidate downloads must win, and the candidate must never serve.
+    loader = GatedLoader()
+    slow = loader.gate("slow")
+    rec = make(loader, events)
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "slow"))
+    wait_for(lambda: loader.started[-1].artifact_id == "slow", desc="slow load started")
+    assert rec.submit(target(3, "a")) is Decision.ACCEPTED  # rollback to the old artifact
+    slow.set()
+    assert rec.wait_settled(5)
+    assert target(2, "slow") not in loader.installed
+    assert loader.discarded == [target(2, "slow")]
+    snap = rec.snapshot()
+    assert snap.actual == target(3, "a") and snap.discarded == (2,)
+    rec.close()
+
+
+def test_latest_target_wins_over_pending_ones() -> None:
+    loader = GatedLoader()
+    first = loader.gate("b")
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="b loading")
+    rec.submit(target(3, "c"))
+    rec.submit(target(4, "d"))  # c is never started: it was superseded while pending
+    first.set()
+    assert rec.wait_settled(5)
+    assert [t.artifact_id for t in loader.started] == ["a", "b", "d"]
+    assert rec.snapshot().actual == target(4, "d")
+    rec.close()
+
+
+def test_a_final_failure_keeps_the_serving_target(events: list[ReconcileEvent]) -> None:
+    loader = GatedLoader(failures={"bad": [ArtifactRejected("dry_run", "NaN in output")]})
+    rec = make(loader, events)
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "bad"))
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.actual == target(1, "a")
+    assert snap.phase is Phase.FAILED
+    assert snap.last_error is not None and snap.last_error.category == "dry_run"
+    assert snap.last_error.revision == 2
+    assert len([t for t in loader.started if t.artifact_id == "bad"]) == 1  # not retried
+    failed = [e for e in events if e.kind == "failed"]
+    assert failed and failed[-1].error and failed[-1].error.artifact_id == "bad"
+    rec.close()
+
+
+def test_transient_failures_back_off_then_succeed(events: list[ReconcileEvent]) -> None:
+    loader = GatedLoader(
+        failures={"b": [OSError("reset"), ArtifactRejected("digest", "short read")]}
+    )
+    rec = make(loader, events)
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    assert rec.wait_settled(5)
+    assert rec.snapshot().actual == target(2, "b")
+    retries = [e for e in events if e.kind == "retry_scheduled"]
+    assert [e.attempt for e in retries] == [1, 2]
+    assert all(e.retry_in_s is not None and 0 < e.retry_in_s <= FAST.cap_s for e in retries)
+    rec.close()
+
+
+def test_transient_failures_give_up_after_max_attempts() -> None:
+    loader = GatedLoader(failures={"b": [OSError("down")] * 10})
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert len([t for t in loader.started if t.artifact_id == "b"]) == FAST.max_attempts
+    rec.close()
+
+
+def test_a_new_target_cuts_a_backoff_short() -> None:
+    slow_policy = BackoffPolicy(initial_s=30, cap_s=30, max_attempts=5)
+    loader = GatedLoader(failures={"b": [OSError("down")]})
+    events: list[ReconcileEvent] = []
+    rec = Reconciler(loader, policy=slow_policy, on_event=events.append)
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    wait_for(lambda: rec.snapshot().phase is Phase.BACKOFF, desc="backoff")
+    rec.submit(target(3, "c"))
+    assert rec.wait_settled(5)  # did not wait out the 15-30 s backoff
+    assert rec.snapshot().actual == target(3, "c")
+    rec.close()
+
+
+def test_install_refused_by_the_holder_is_final() -> None:
+    loader = GatedLoader()
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    loader.refuse_install = True
+    rec.submit(target(2, "b"))
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert loader.discarded == [target(2, "b")]
+    rec.close()
+
+
+def test_resubmitting_the_actual_target_needs_no_load() -> None:
+    loader = GatedLoader()
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    assert rec.submit(target(1, "a")) is Decision.UNCHANGED
+    assert rec.wait_settled(1)
+    assert len(loader.started) == 1
+    rec.close()
+
+
+def test_backoff_delays_grow_and_are_capped() -> None:
+    policy = BackoffPolicy(initial_s=1.0, multiplier=2.0, cap_s=8.0)
+    rng = random.Random(3)
+    for attempt, ceiling in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (9, 8.0)]:
+        for _ in range(50):
+            d = policy.delay(attempt, rng)
+            assert ceiling / 2 <= d <= ceiling
+
+
+def test_retryable_classification() -> None:
+    assert is_retryable(OSError("x"))
+    assert is_retryable(ArtifactRejected("digest", "x"))
+    assert not is_retryable(ArtifactRejected("schema", "x"))
+    assert not is_retryable(ValueError("x"))
+
+
+def test_observer_errors_do_not_break_the_worker() -> None:
+    loader = GatedLoader()
+
+    def broken(event: ReconcileEvent) -> None:
+        raise RuntimeError("observer bug")
+
+    rec = Reconciler(loader, policy=FAST, on_event=broken)
+    rec.load_blocking(target(1))
+    rec.submit(target(2, "b"))
+    assert rec.wait_settled(5)
+    assert rec.snapshot().actual == target(2, "b")
+    rec.close()
