@@ -113,6 +113,10 @@ class _Live:
     state: RolloutState
     version: int
     events: list[dict[str, Any]] = field(default_factory=list)
+    # The revision of each cohort's target as this rollout last knew it: its compare-and-set
+    # writes expect exactly that, and a registry that moved past it was moved by another
+    # writer (or by this rollout just before a crash, which the state tells apart).
+    known: dict[str, int] = field(default_factory=dict)
 
 
 class RolloutEngine:
@@ -165,7 +169,12 @@ class RolloutEngine:
                 self._live = None
                 return None
             state = RolloutState.from_dict(record.state["machine"])
-            self._live = _Live(state, record.version, list(record.state.get("events", [])))
+            self._live = _Live(
+                state,
+                record.version,
+                list(record.state.get("events", [])),
+                {k: int(v) for k, v in (record.state.get("known") or {}).items()},
+            )
             log.info("resumed rollout %s at %s", state.rollout_id, state.phase.value)
             return state.rollout_id
 
@@ -238,7 +247,12 @@ class RolloutEngine:
                 weights=_weights_dict(state.weights),
                 rollout_id=rollout_id,
             )
-            self._live = _Live(state, record.version)
+            canary = self._target_or_none("canary")
+            self._live = _Live(
+                state,
+                record.version,
+                known={"stable": baseline.revision, "canary": canary.revision if canary else 0},
+            )
             self._conflicted.clear()
             self._persist(state)
             self._event("created", f"rollout of {candidate_artifact_id} by {actor}")
@@ -290,6 +304,11 @@ class RolloutEngine:
             if live is None or not live.state.is_active:
                 return None
             now = self.clock()
+            try:
+                self._check_targets(live)
+            except RolloutSystemError as exc:
+                self._error(f"registry: {exc}")
+                return self.rollout_summary()
             try:
                 self.windows.observe()
             except MetricsUnavailable as exc:
@@ -407,24 +426,77 @@ class RolloutEngine:
             case Finish(phase=phase, reason=why):
                 log.info("rollout %s finished: %s (%s)", state.rollout_id, phase.value, why)
 
+    def _check_targets(self, live: _Live) -> None:
+        """Notice targets moved by another writer since this rollout last wrote them: abort
+        (weights to stable first) and leave that cohort's target as the other writer set it."""
+        if live.state.phase.is_terminal:
+            return
+        for cohort in ("stable", "canary"):
+            current = self._target_or_none(cohort)
+            revision = current.revision if current else 0
+            known = live.known.get(cohort)
+            if known is None or revision == known:
+                live.known[cohort] = revision
+                continue
+            ours = live.state.stable_target if cohort == "stable" else live.state.canary_target
+            live.known[cohort] = revision
+            if current is not None and current.artifact_id == ours:
+                continue  # this rollout's own write, made just before a restart
+            self._conflicted.add(cohort)
+            where = f"{current.artifact_id} at revision {revision}" if current else "nothing"
+            reason = (
+                f"registry conflict: another writer moved the {cohort} target to {where}; "
+                "the rollout stops and does not overwrite it"
+            )
+            self._commands.appendleft(Abort(reason=reason))
+            self._error(reason)
+
     def _publish_for_rollout(self, cohort: str, artifact_id: str, reason: str) -> Target | None:
         if cohort in self._conflicted:
             self.alerts.append(
                 f"warning: {cohort} target left as another writer set it (not {artifact_id})"
             )
             return None
-        return self._publish(cohort, artifact_id, actor=self.settings.actor, reason=reason)
+        live = self._live
+        assert live is not None
+        target = self._publish(
+            cohort,
+            artifact_id,
+            actor=self.settings.actor,
+            reason=reason,
+            expected_revision=live.known.get(cohort),
+        )
+        live.known[cohort] = target.revision
+        return target
 
-    def _publish(self, cohort: str, artifact_id: str, *, actor: str, reason: str) -> Target:
-        """Compare-and-set the cohort's target to ``artifact_id`` unless it already is."""
+    def _publish(
+        self,
+        cohort: str,
+        artifact_id: str,
+        *,
+        actor: str,
+        reason: str,
+        expected_revision: int | None = None,
+    ) -> Target:
+        """Compare-and-set the cohort's target to ``artifact_id`` unless it already is.
+
+        ``expected_revision``: the revision the caller last knew (a rollout's own record);
+        None: whatever the registry holds now (an operator's explicit command)."""
         s = self.settings
         current = self._target_or_none(cohort)
         if current is not None and current.artifact_id == artifact_id:
             return current  # a replayed action, or someone already did it: nothing to write
-        expected = current.revision if current else 0
+        if expected_revision is None:
+            expected_revision = current.revision if current else 0
         try:
             target = self.registry.publish(
-                s.model, s.environment, cohort, artifact_id, expected, actor=actor, reason=reason
+                s.model,
+                s.environment,
+                cohort,
+                artifact_id,
+                expected_revision,
+                actor=actor,
+                reason=reason,
             )
         except RevisionConflict as exc:
             now_target = self._target_or_none(cohort)
@@ -522,7 +594,7 @@ class RolloutEngine:
                 }
                 for v in state.verdicts
             ],
-            state={"machine": state.to_dict(), "events": live.events},
+            state={"machine": state.to_dict(), "events": live.events, "known": live.known},
             reason=state.reason,
         )
         live.version = record.version
