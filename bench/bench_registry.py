@@ -18,6 +18,7 @@ measures protocol, locking and transaction cost, not storage.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import threading
@@ -158,6 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     samples.sort(key=lambda s: (s.workload != "sequential", s.workload, s.backend != "sqlite"))
     print(f"CAS publish latency, {args.publishes} publishes per workload (after {WARMUP} warm-up)")
     _print_table(samples)
+    by = {(s.workload, s.backend): s for s in samples}
+    rows = [
+        {
+            "measurement": f"CAS publish p50, {workload}: postgres vs sqlite",
+            "value": round(by[(workload, "postgres")].percentile(50) * 1e3, 3),
+            "baseline": round(by[(workload, "sqlite")].percentile(50) * 1e3, 3),
+            "unit": "ms",
+            "ratio": round(
+                by[(workload, "postgres")].percentile(50) / by[(workload, "sqlite")].percentile(50),
+                2,
+            ),
+            "goal": "-",
+        }
+        for workload in sorted({s.workload for s in samples})
+    ]
+    print(json.dumps({"bench": "registry", "rows": rows}))
     return 0
 
 

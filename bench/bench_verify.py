@@ -9,6 +9,7 @@ Prints one line per layout and a final summary line.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -87,16 +88,28 @@ def main() -> None:
     args = parser.parse_args()
     total = int(args.gib * (1 << 30))
     ratios = []
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-verify-", dir="/var/tmp") as tmp:
         for nfiles in args.files:
             sums, fetch, gib = run_layout(Path(tmp), total, nfiles, args.rounds)
             ratios.append(fetch / sums)
+            rows.append(
+                {
+                    "measurement": f"verify {gib:.0f} GiB in {nfiles} file(s) vs sha256sum",
+                    "value": round(fetch, 3),
+                    "baseline": round(sums, 3),
+                    "unit": "GiB/s",
+                    "ratio": round(fetch / sums, 2),
+                    "goal": ">= 0.9x",
+                }
+            )
             print(
                 f"verify {gib:.2f} GiB in {nfiles} file(s): sha256sum {sums:.2f} GiB/s, "
                 f"cache fetch+verify {fetch:.2f} GiB/s, ratio {fetch / sums:.2f}x",
                 flush=True,
             )
     print(f"verify throughput vs sha256sum: best layout {max(ratios):.2f}x (goal >= 0.9x)")
+    print(json.dumps({"bench": "verify", "rows": rows}))
 
 
 if __name__ == "__main__":
