@@ -281,11 +281,13 @@ class PromQLSource:
         return body["data"]["result"]
 
     def window_between(self, start: float, end: float) -> WindowStats:
-        span = max(1, round(end - start))
+        # The range is exactly [start, end], to the millisecond: whole seconds would stretch or
+        # shrink a 20 s window by up to 2.5% (increase() scales with the range it is given).
+        span = f"{max(1, round((end - start) * 1000))}ms"
         sel = self._selector()
         counts: dict[str, CohortCounts] = {c: CohortCounts() for c in COHORTS}
         requests = self.query(
-            f"sum by (cohort, outcome) (increase({REQUESTS_SERIES}{sel}[{span}s]))", end
+            f"sum by (cohort, outcome) (increase({REQUESTS_SERIES}{sel}[{span}]))", end
         )
         for row in requests:
             cohort = row["metric"].get("cohort")
@@ -294,7 +296,7 @@ class PromQLSource:
                     row["value"][1]
                 )
         buckets = self.query(
-            f"sum by (cohort, le) (increase({LATENCY_SERIES}_bucket{sel}[{span}s]))", end
+            f"sum by (cohort, le) (increase({LATENCY_SERIES}_bucket{sel}[{span}]))", end
         )
         for row in buckets:
             cohort = row["metric"].get("cohort")

@@ -14,5 +14,31 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends postgresql >/dev/null
 fi
 
+if [ ! -x /usr/bin/prometheus ]; then
+    echo "installing the Prometheus server (Debian package 'prometheus')" >&2
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    # The package's postinst starts a daemon on :9090 (invoke-rc.d for /etc/init.d/prometheus,
+    # deb-systemd-invoke under systemd); the tests start their own server. Both helpers ask
+    # /usr/sbin/policy-rc.d first, and its exit status 101 forbids the start. Containers usually
+    # have one; where there is none, one is put in place for this install only. Afterwards the
+    # service is disabled at boot (the postinst enables it), so no daemon comes up later.
+    POLICY_RC=/usr/sbin/policy-rc.d
+    OWN_POLICY_RC=""
+    if [ ! -e "$POLICY_RC" ]; then
+        printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY_RC" >/dev/null
+        $SUDO chmod 755 "$POLICY_RC"
+        OWN_POLICY_RC=1
+        trap '$SUDO rm -f "$POLICY_RC"' EXIT
+    fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+    if [ -n "$OWN_POLICY_RC" ]; then
+        $SUDO rm -f "$POLICY_RC"
+        trap - EXIT
+    fi
+fi
+
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
