@@ -6,7 +6,8 @@ the loaded model with its feature normalization and labels), lent out as one uni
 - Borrowing reads the current generation and increments its reference count under one short
   lock; the lock never covers loading, inference or cleanup.
 - Installing a newer generation retires the old one. Requests that borrowed the old one finish
-  on it; requests that start afterwards get the new one.
+  on it; requests that start afterwards get the new one. Clearing the target
+  (``retire_current``) retires the current generation the same way with no successor.
 - A candidate is installed only if it is exactly the desired target and newer than what is
   serving, so a slow candidate never overrides a newer target (a rollback is a *higher*
   revision naming an older artifact).
@@ -209,6 +210,20 @@ class GenerationHolder:
             self._run_cleanup(candidate)
             self._finish_cleanup()
         return accepted
+
+    def retire_current(self) -> Generation | None:
+        """Stop serving without a successor (the target was cleared): the current generation
+        is retired like on a switch - requests that borrowed it finish on it, new borrows get
+        NotReady, and it is cleaned up once its references reach zero. Returns it (or None).
+
+        The desired target is left as it was: a later install must still be that target or
+        a newer one. Stopping loads of the cleared target is the caller's job (the
+        reconciler's)."""
+        with self._lock:
+            current, self._current = self._current, None
+            if current is not None:
+                self._retire_locked(current)
+        return current
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every retired or rejected generation has been cleaned up."""

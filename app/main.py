@@ -27,6 +27,7 @@ from app.errors import ConfigError
 from app.replica import (
     BatchingConfig,
     ControllerRef,
+    FaultInjection,
     MemoryConfig,
     ReplicaConfig,
     RetryConfig,
@@ -62,6 +63,9 @@ class CohortArgs(BaseModel):
     health_check_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     graceful_shutdown_wait_loop_s: Annotated[float, Field(gt=0)] = 2.0
     graceful_shutdown_timeout_s: Annotated[float, Field(gt=0)] = 20.0
+    # Tests only: honoured only where the replicas' environment has
+    # ROLLOUT_FAULT_INJECTION=allow (see app.replica.FaultInjection).
+    faults: FaultInjection | None = None
 
 
 class AppArgs(BaseModel):
@@ -114,7 +118,12 @@ def resolve_target(cohort: CohortArgs, args: AppArgs, field: str) -> TargetConfi
     )
 
 
-def replica_config(args: AppArgs, cohort: str, target: TargetConfig | None) -> ReplicaConfig:
+def replica_config(
+    args: AppArgs,
+    cohort: str,
+    target: TargetConfig | None,
+    faults: FaultInjection | None = None,
+) -> ReplicaConfig:
     return ReplicaConfig(
         cohort=cohort,  # type: ignore[arg-type]
         target=target,
@@ -126,6 +135,7 @@ def replica_config(args: AppArgs, cohort: str, target: TargetConfig | None) -> R
         cache_dir=str(project_path(args.cache_dir)),
         cache_byte_budget=args.cache_byte_budget,
         report_interval_s=args.report_interval_s,
+        faults=faults,
     )
 
 
@@ -158,12 +168,16 @@ def build_app(args: AppArgs) -> Application:
     from deployments.ranker import Ranker
     from deployments.router import Router
 
-    stable_cfg = replica_config(args, "stable", resolve_target(args.stable, args, "stable"))
+    stable_cfg = replica_config(
+        args, "stable", resolve_target(args.stable, args, "stable"), args.stable.faults
+    )
     if args.mode == "ranker_only":
         return Ranker.options(
             **_ranker_options("stable", args.stable, stable_cfg, args.access_log)
         ).bind()
-    canary_cfg = replica_config(args, "canary", resolve_target(args.canary, args, "canary"))
+    canary_cfg = replica_config(
+        args, "canary", resolve_target(args.canary, args, "canary"), args.canary.faults
+    )
     stable = Ranker.options(
         **_ranker_options("stable", args.stable, stable_cfg, args.access_log)
     ).bind()

@@ -12,7 +12,10 @@ makes it so. Rules (DESIGN.md "Replica"):
   lock, so a slow candidate can never override a newer target (e.g. a rollback);
 - failures are retried with capped exponential backoff and jitter when they can be transient
   (I/O, a download that came out short), and given up on at once when they cannot (a wrong
-  schema stays wrong); either way the serving generation is untouched.
+  schema stays wrong); either way the serving generation is untouched;
+- ``clear`` (the target was removed: an idle pool) drops pending work, discards a load in
+  progress when it finishes, and retires the serving generation (``TargetLoader.retire``).
+  The cleared target's revision stays the floor: a lower revision afterwards is still late.
 
 No Ray here: the load/install/discard steps are injected (``TargetLoader``), so unit tests run
 the real worker with a fake loader.
@@ -67,7 +70,7 @@ class Decision(StrEnum):
 
 
 class Phase(StrEnum):
-    IDLE = "idle"  # no target at all (an idle pool)
+    IDLE = "idle"  # no target at all (an idle pool, or the target was cleared)
     LOADING = "loading"
     BACKOFF = "backoff"  # waiting to retry after a transient failure
     READY = "ready"  # actual == desired
@@ -80,6 +83,7 @@ class ErrorInfo:
     message: str
     artifact_id: str | None = None
     revision: int | None = None
+    field: str | None = None  # config errors: the user_config field at fault
 
     @classmethod
     def of(cls, exc: BaseException, target: Target | None) -> ErrorInfo:
@@ -116,9 +120,10 @@ class BackoffPolicy:
 
 
 class TargetLoader(Protocol, Generic[M]):
-    """The three steps the reconciler drives. ``load`` may take minutes and may raise;
-    ``install`` is quick and returns False if the installed generation refused it (stale);
-    ``discard`` frees a loaded model that will never serve."""
+    """The steps the reconciler drives. ``load`` may take minutes and may raise; ``install``
+    is quick and returns False if the installed generation refused it (stale); ``discard``
+    frees a loaded model that will never serve; ``retire`` stops serving the installed
+    generation (quick: requests in flight finish on it, cleanup follows when they have)."""
 
     def load(self, target: Target) -> M: ...
 
@@ -126,11 +131,13 @@ class TargetLoader(Protocol, Generic[M]):
 
     def discard(self, loaded: M) -> None: ...
 
+    def retire(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class ReconcileEvent:
     """Something the replica reports or counts. ``kind``: accepted, unchanged, late,
-    conflict, loading, installed, discarded, retry_scheduled, failed."""
+    conflict, loading, installed, discarded, retry_scheduled, failed, cleared."""
 
     kind: str
     target: Target | None
@@ -172,6 +179,7 @@ class Reconciler(Generic[M]):
         self._cond = threading.Condition()
         self._desired: Target | None = None
         self._actual: Target | None = None
+        self._cleared: Target | None = None  # the desired target when it was last cleared
         self._phase = Phase.IDLE
         self._last_error: ErrorInfo | None = None
         self._attempts = 0
@@ -196,6 +204,14 @@ class Reconciler(Generic[M]):
     def _classify(self, target: Target) -> Decision:
         desired = self._desired
         if desired is None:
+            floor = self._cleared
+            if floor is not None:
+                if target.revision < floor.revision:
+                    return Decision.LATE
+                if target.revision == floor.revision and not target.same_artifact(floor):
+                    return Decision.CONFLICT
+            # The cleared target itself again is accepted: it is what the control plane
+            # asks for now, and nothing serves it any more.
             return Decision.ACCEPTED
         if target.revision < desired.revision:
             return Decision.LATE
@@ -225,6 +241,34 @@ class Reconciler(Generic[M]):
                 self._cond.notify_all()
         self._emit(ReconcileEvent(decision.value, target))
         return decision
+
+    def clear(self) -> bool:
+        """No target any more: stop loading and retire the serving generation.
+
+        Returns False when there was nothing to clear. A load in progress finishes and is
+        discarded (its target is no longer desired); requests in flight finish on the
+        generation they borrowed.
+        """
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self._name} is closed")
+            previous = self._desired
+            if previous is None and self._actual is None:
+                return False
+            if previous is not None:
+                self._cleared = previous
+            self._desired = None
+            self._work = False
+            self._attempts = 0
+            self._retry_at = 0.0
+            self._phase = Phase.IDLE
+            if self._actual is not None:
+                # Under the lock, like install: a finishing load cannot slip in between.
+                self._loader.retire()
+                self._actual = None
+            self._cond.notify_all()
+        self._emit(ReconcileEvent("cleared", previous))
+        return True
 
     def load_blocking(self, target: Target) -> None:
         """Startup: make ``target`` the desired and actual target in the calling thread.

@@ -2,22 +2,32 @@
 
 Lifecycle (DESIGN.md "Replica"):
 
-- ``reconfigure(user_config)`` validates the config. The first target is loaded synchronously
-  (a replica never becomes RUNNING without a verified model; a failure there raises). Every
-  later target is handed to the reconciler and ``reconfigure`` returns at once: Ray routes no
-  traffic to a replica while its reconfigure runs, so it must stay instant. A failed candidate
-  never raises out of ``reconfigure`` and never removes the serving generation. The same
-  config again is a no-op (Ray repeats reconfigure on rank changes).
+- ``reconfigure(user_config)`` validates the config. The replica's FIRST config is its startup:
+  its target is loaded synchronously (a replica never becomes RUNNING without a verified
+  model) and an invalid config or a failed load raises. Every later config returns at once
+  and never raises: Ray routes no traffic to a replica while its reconfigure runs, and a
+  raising reconfigure kills the replica and its replacements (RAY_FACTS.md). A later target
+  goes to the reconciler's background worker; a failed candidate never removes the serving
+  generation. A later invalid config is refused: the old one stays and the report's
+  ``last_error`` says why (category ``config``, naming the field). The same config again is a
+  no-op (Ray repeats reconfigure on rank changes).
+- A target that becomes null retires the serving generation (requests in flight finish on
+  it): the pool is idle, serves nothing, and the router does not fail over to it.
 - ``rank(batch)`` borrows the current generation for one forward; a request in flight
   finishes on the generation it borrowed while a new one is installed beside it.
+- Fault injection (``faults`` in the user_config; tests only) takes effect only in a process
+  whose environment has ``ROLLOUT_FAULT_INJECTION=allow``; elsewhere it is ignored and
+  reported as a ``config`` error.
 - Reports go to the rollout controller's named actor when one is configured; with no
   controller the replica keeps serving and retries quietly.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +59,13 @@ log = logging.getLogger(__name__)
 
 MiB: Final = 1 << 20
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
+# Fault injection is honoured only where the replica's process environment says so.
+FAULT_INJECTION_ENV: Final = "ROLLOUT_FAULT_INJECTION"
+FAULT_INJECTION_ALLOWED: Final = "allow"
+
+
+def fault_injection_allowed() -> bool:
+    return os.environ.get(FAULT_INJECTION_ENV) == FAULT_INJECTION_ALLOWED
 
 
 # --------------------------------------------------------------------------- user_config
@@ -115,6 +132,19 @@ class ControllerRef(BaseModel):
     namespace: str = "rollout"
 
 
+class FaultInjection(BaseModel):
+    """Test-only faults of a replica's rank calls (see ``FAULT_INJECTION_ENV``).
+
+    ``extra_latency_ms`` delays every rank call's answer (other calls keep running);
+    ``error_rate`` is the fraction of rank calls that fail with ``InjectedFault``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    extra_latency_ms: Annotated[float, Field(ge=0, le=600_000)] = 0.0
+    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
+
+
 class ReplicaConfig(BaseModel):
     """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
 
@@ -130,6 +160,7 @@ class ReplicaConfig(BaseModel):
     cache_dir: str = "var/cache"
     cache_byte_budget: Annotated[int, Field(gt=0)] | None = None
     report_interval_s: Annotated[float, Field(gt=0)] = 10.0
+    faults: FaultInjection | None = None  # tests only; see FAULT_INJECTION_ENV
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
@@ -139,8 +170,9 @@ class ReplicaConfig(BaseModel):
             return cls.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "user_config"
-            raise ConfigError(f"user_config.{where}: {first.get('msg')}") from None
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            field = f"user_config.{where}" if where else "user_config"
+            raise ConfigError(f"{field}: {first.get('msg')}", field=field) from None
 
 
 # --------------------------------------------------------------------------- reports
@@ -158,12 +190,17 @@ class InstanceReport(BaseModel):
     actual_revision: int | None
     actual_artifact: str | None
     runtime_build: str | None
+    # The latest of the last load failure and the last refused (or partly ignored) config.
     last_error: dict[str, Any] | None
     discarded_revisions: list[int]
     timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
     capacity: dict[str, Any]  # max_batch_size, device
     heartbeat: float  # wall clock (time.time()) of the report
     seq: int  # increases with every report of this replica
+    # The refused or partly ignored current user_config, if any (category "config", field).
+    config_error: dict[str, Any] | None = None
+    # Fault injection in effect (tests only; None when off or not allowed here).
+    faults: dict[str, float] | None = None
 
 
 class ReportSink(Protocol):
@@ -202,6 +239,23 @@ class ReplicaNotReady(RuntimeError):
     """No verified model is installed (an idle pool, or still starting)."""
 
     category = "serving.not_ready"
+
+
+class InjectedFault(RuntimeError):
+    """A rank call failed on purpose (``faults.error_rate``; tests only)."""
+
+    category = "fault_injection"
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """What fault injection does to one rank call: wait ``delay_s``, then fail or not."""
+
+    delay_s: float = 0.0
+    fail: bool = False
+
+
+NO_FAULT: Final = FaultPlan()
 
 
 # --------------------------------------------------------------------------- loading
@@ -312,6 +366,10 @@ class ModelLoader:
         if not loaded.handed_over:
             _close_candidate(loaded.model, loaded.lease)
 
+    def retire(self) -> None:
+        # The holder's cleanup (model closed, lease released) runs when borrowers are done.
+        self._holder.retire_current()
+
 
 # --------------------------------------------------------------------------- the replica
 
@@ -353,6 +411,13 @@ class RankerReplica:
         self._fatal: BaseException | None = None
         self._reporter = _Reporter(self)
         self.runtime_build: str | None = None
+        # Which error is newer, a load failure or a config problem (for ``last_error``).
+        self._error_seq = itertools.count(1)  # next() is atomic: event and config threads
+        self._load_error_seq = 0
+        self._config_error: ErrorInfo | None = None
+        self._config_error_seq = 0
+        self._faults: FaultInjection | None = None  # effective (allowed) faults
+        self._fault_rng = random.Random()
 
     # ------------------------------------------------------------------ config
 
@@ -361,6 +426,11 @@ class RankerReplica:
         if self._config is None:
             raise ReplicaNotReady("replica has no user_config yet")
         return self._config
+
+    @property
+    def has_config(self) -> bool:
+        """False until the first (startup) config was applied."""
+        return self._config is not None
 
     def _get_cache(self) -> ArtifactCache:
         cfg = self.config
@@ -373,35 +443,101 @@ class RankerReplica:
         return self._cache
 
     def reconfigure(self, raw: Mapping[str, Any] | ReplicaConfig) -> bool:
-        """Apply a user_config; returns False when it equals the current one (no-op).
+        """Apply a user_config; returns False when it was not applied: equal to the current
+        one (no-op) or refused (the current one stays; see ``report().last_error``).
 
-        Raises only for an invalid config or a failed first load (startup semantics).
+        Raises only at startup (the replica's first config): for an invalid config or a
+        failed first load. Never afterwards.
         """
-        new = ReplicaConfig.parse(raw)
         old = self._config
+        try:
+            new = ReplicaConfig.parse(raw)
+            if old is not None and new.cohort != old.cohort:
+                raise ConfigError(
+                    f"user_config.cohort: a replica cannot move from {old.cohort!r} to "
+                    f"{new.cohort!r}",
+                    field="user_config.cohort",
+                )
+        except ConfigError as exc:
+            if old is None:
+                raise  # startup: Serve reports the deployment as failed, nothing serves yet
+            log.error("%s: user_config refused, keeping the current one: %s", self.replica_id, exc)
+            self._set_config_error(
+                ErrorInfo("config", f"user_config refused, the previous one stays: {exc}"),
+                field=str(exc.ids.get("field") or "user_config"),
+            )
+            return False
+        self._apply_faults(new)
         if new == old:
             return False
-        if old is not None and new.cohort != old.cohort:
-            raise ConfigError(
-                f"user_config.cohort: a replica cannot move from {old.cohort!r} to {new.cohort!r}"
-            )
         self._config = new
         self._reconciler.set_policy(new.retry.policy())
         if new.target is not None:
             target = new.target.to_target()
-            if self._holder.current is None and self._reconciler.snapshot().actual is None:
+            if old is None:
                 # Startup: no RUNNING replica without a verified model.
                 self._reconciler.load_blocking(target)
             else:
+                # A running replica (serving or idle) loads in the background; a failure is
+                # reported, never raised (it would kill the replica).
                 self._reconciler.submit(target)
-        elif old is not None and old.target is not None:
+        elif old is not None and self._reconciler.clear():
             log.warning(
-                "%s: target removed from user_config; keeping the serving generation",
+                "%s: target removed from user_config; the serving generation is retired",
                 self.replica_id,
             )
+            self.runtime_build = None
         self._reporter.configure(new)
         self._reporter.poke()
         return True
+
+    def _apply_faults(self, config: ReplicaConfig) -> None:
+        """Faults take effect only where the environment allows them; otherwise they are
+        ignored and reported. A valid config without ignored faults clears config errors."""
+        faults = config.faults
+        if faults is not None and not fault_injection_allowed():
+            self._faults = None
+            log.warning(
+                "%s: user_config.faults ignored: %s=%s is not set in this process",
+                self.replica_id,
+                FAULT_INJECTION_ENV,
+                FAULT_INJECTION_ALLOWED,
+            )
+            self._set_config_error(
+                ErrorInfo(
+                    "config",
+                    f"user_config.faults ignored: fault injection needs "
+                    f"{FAULT_INJECTION_ENV}={FAULT_INJECTION_ALLOWED} in the replica's "
+                    f"environment",
+                ),
+                field="user_config.faults",
+            )
+            return
+        if faults is not None:
+            log.warning("%s: fault injection active: %s", self.replica_id, faults)
+        if faults != self._faults:
+            self._faults = faults
+            self._reporter.poke()
+        if self._config_error is not None:
+            self._config_error = None
+            self._reporter.poke()
+
+    def _set_config_error(self, error: ErrorInfo, *, field: str) -> None:
+        self._config_error = ErrorInfo(error.category, error.message, field=field)
+        self._config_error_seq = next(self._error_seq)
+        self._reporter.poke()
+
+    def plan_fault(self) -> FaultPlan:
+        """Fault injection for one rank call (the shell sleeps and raises, without blocking
+        other calls). NO_FAULT unless allowed faults are configured."""
+        faults = self._faults
+        if faults is None:
+            return NO_FAULT
+        fail = faults.error_rate > 0 and self._fault_rng.random() < faults.error_rate
+        return FaultPlan(delay_s=faults.extra_latency_ms / 1000.0, fail=fail)
+
+    def injected_fault(self) -> InjectedFault:
+        return InjectedFault(f"{self.replica_id}: injected rank failure (faults.error_rate)")
 
     # ------------------------------------------------------------------ serving
 
@@ -449,6 +585,10 @@ class RankerReplica:
         cfg = self._config
         current = self._holder.current
         err = snap.last_error
+        config_error = self._config_error
+        newer = self._config_error_seq > self._load_error_seq
+        if config_error is not None and (err is None or newer):
+            err = config_error
         return InstanceReport(
             replica_id=self.replica_id,
             cohort=cfg.cohort if cfg else "unknown",
@@ -468,6 +608,8 @@ class RankerReplica:
             },
             heartbeat=time.time(),
             seq=self._reporter.next_seq(),
+            config_error=_error_dict(config_error),
+            faults=self._faults.model_dump() if self._faults is not None else None,
         )
 
     def _installed(self, candidate: Candidate) -> None:
@@ -480,6 +622,7 @@ class RankerReplica:
         if event.kind == "installed" and event.duration_s is not None:
             self._observer.load_stage("total", event.duration_s, True)
         elif event.kind in ("failed", "retry_scheduled") and event.error is not None:
+            self._load_error_seq = next(self._error_seq)
             self._observer.load_failure(event.error.category)
         snap = self._reconciler.snapshot()
         self._observer.revisions(
@@ -505,12 +648,15 @@ class RankerReplica:
 def _error_dict(err: ErrorInfo | None) -> dict[str, Any] | None:
     if err is None:
         return None
-    return {
+    out: dict[str, Any] = {
         "category": err.category,
         "message": err.message,
         "artifact_id": err.artifact_id,
         "revision": err.revision,
     }
+    if err.field is not None:
+        out["field"] = err.field
+    return out
 
 
 class _Reporter:

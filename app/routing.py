@@ -24,6 +24,22 @@ COHORTS: Final = (STABLE, CANARY)
 
 Cohort = Literal["stable", "canary"]
 
+# The category of the error a replica raises when it has no model to serve (an idle pool or
+# a cleared target): app.replica.ReplicaNotReady and app.generations.NotReady.
+NOT_SERVING_CATEGORY: Final = "serving.not_ready"
+
+
+def says_not_serving(exc: BaseException) -> bool:
+    """Did a cohort's call fail because the replica serves no model?
+
+    Ray re-raises a replica's exception as a RayTaskError that is also an instance of the
+    original class (so ``category`` is there) and keeps the original as ``cause``.
+    """
+    for candidate in (exc, getattr(exc, "cause", None)):
+        if getattr(candidate, "category", None) == NOT_SERVING_CATEGORY:
+            return True
+    return False
+
 
 def other_cohort(cohort: str) -> Cohort:
     if cohort == STABLE:
@@ -114,6 +130,12 @@ class CohortHealth:
         # ``serving`` is left to the probes: after the window one request tries again.
         self.consecutive_failures += 1
         self.open_until = now + min(cap_s, base_s * 2 ** (self.consecutive_failures - 1))
+
+    def record_not_serving(self, now: float) -> None:
+        """A call failed because the cohort serves no model (e.g. its target was cleared):
+        no failover goes there until a probe sees it serving again."""
+        self.record_failure(now)
+        self.serving = False
 
     def record_probe(self, serving: bool) -> None:
         """A status probe's answer: a serving cohort closes the breaker at once."""

@@ -7,6 +7,7 @@ requests; ``__call__`` lets the deployment serve HTTP directly too (the benchmar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -19,7 +20,13 @@ from starlette.responses import Response
 
 from app import telemetry as t
 from app.api import RequestInvalid, WireAnswer, WireRequest, parse_rank_body, to_wire
-from app.replica import ControllerRef, InstanceReport, RankerReplica, ReplicaConfig
+from app.replica import (
+    ControllerRef,
+    InjectedFault,
+    InstanceReport,
+    RankerReplica,
+    ReplicaConfig,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -34,9 +41,19 @@ class ControllerSink:
         import ray
 
         self._actor = ray.get_actor(ref.name, namespace=ref.namespace)
+        self._last: Any = None
 
     def send(self, report: InstanceReport) -> None:
-        self._actor.report_instance.remote(report.model_dump())
+        import ray
+
+        # Fire and forget, but not into the void: a handle to a controller that was killed
+        # and created anew (same name, new actor) fails every call. The previous call's
+        # outcome tells; raising makes the reporter look the name up again.
+        if self._last is not None:
+            done, _ = ray.wait([self._last], timeout=0)
+            if done:
+                ray.get(done[0])  # raises RayActorError for a dead controller
+        self._last = self._actor.report_instance.remote(report.model_dump())
 
 
 class ServeMetricsObserver:
@@ -105,9 +122,13 @@ class Ranker:
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Keep this instant after startup: Ray sends the replica no traffic while it runs.
-        config = ReplicaConfig.parse(user_config)
-        self._observer.set_cohort(config.cohort)
-        if self._core.reconfigure(config):
+        # After startup the core never raises (a raising reconfigure kills the replica and
+        # its replacements): a bad config is refused and reported, the old one stays.
+        if not self._core.has_config:
+            # Startup: label the first load's metrics; an invalid first config raises here.
+            self._observer.set_cohort(ReplicaConfig.parse(user_config).cohort)
+        if self._core.reconfigure(user_config):
+            config = self._core.config
             self._forward.set_max_batch_size(config.batching.max_batch_size)
             self._forward.set_batch_wait_timeout_s(config.batching.batch_wait_timeout_s)
 
@@ -124,7 +145,17 @@ class Ranker:
         return out
 
     async def rank(self, batch: list[WireRequest]) -> WireAnswer:
+        await self._inject_faults()
         return await self._forward(batch)
+
+    async def _inject_faults(self) -> None:
+        """Test-only faults (user_config ``faults``, honoured only where allowed): the delay
+        awaits, so it holds back this call's answer and nothing else."""
+        plan = self._core.plan_fault()
+        if plan.delay_s > 0:
+            await asyncio.sleep(plan.delay_s)
+        if plan.fail:
+            raise self._core.injected_fault()
 
     async def status(self) -> dict[str, Any]:
         return self._core.report().model_dump()
@@ -138,6 +169,11 @@ class Ranker:
         except RequestInvalid as exc:
             payload = {"error": exc.category, "field": exc.field, "detail": exc.detail}
             return Response(json.dumps(payload), status_code=422, media_type="application/json")
+        try:
+            await self._inject_faults()
+        except InjectedFault as exc:
+            payload = {"error": exc.category, "detail": str(exc)}
+            return Response(json.dumps(payload), status_code=503, media_type="application/json")
         answer = await self._forward([to_wire(body)])
         meta = answer.model
         payload = {

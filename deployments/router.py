@@ -49,6 +49,7 @@ from app.routing import (
     decide_route,
     parse_forced_cohort,
     request_key,
+    says_not_serving,
     should_fail_over,
 )
 
@@ -319,8 +320,7 @@ class Router:
         try:
             meta, ranking = await self._coalescers[cohort].submit(wire)
         except Exception as exc:
-            self._observe(cohort, "error", started)
-            self._health[cohort].record_failure(time.monotonic())
+            self._cohort_failed(cohort, exc, started)
             if not should_fail_over(decision, self._health, time.monotonic()):
                 log.warning("cohort %s could not answer and no failover: %s", cohort, exc)
                 return self._reject(503, "unavailable", f"cohort {cohort} could not answer")
@@ -330,8 +330,7 @@ class Router:
             try:
                 meta, ranking = await self._coalescers[cohort].submit(wire)
             except Exception as exc2:
-                self._observe(cohort, "error", started)
-                self._health[cohort].record_failure(time.monotonic())
+                self._cohort_failed(cohort, exc2, started)
                 log.warning("failover to %s failed too: %s", cohort, exc2)
                 return self._reject(503, "unavailable", "no cohort could answer")
         self._health[cohort].record_success()
@@ -356,6 +355,15 @@ class Router:
             "X-Model-Cohort": meta.cohort,
         }
         return _json(200, payload, headers)
+
+    def _cohort_failed(self, cohort: str, exc: BaseException, started: float) -> None:
+        self._observe(cohort, "error", started)
+        if says_not_serving(exc):
+            # No model there (an idle pool, a cleared target): not a failover destination
+            # until a probe sees it serving again, whatever the last probe said.
+            self._health[cohort].record_not_serving(time.monotonic())
+        else:
+            self._health[cohort].record_failure(time.monotonic())
 
     def _observe(self, cohort: str, outcome: str, started: float) -> None:
         key = (cohort, outcome)

@@ -8,7 +8,11 @@
 - A ``ReportCollector`` actor stands in for the rollout controller: replicas push their
   instance reports to it by name.
 - Per test: a cheap reset (stable and canary back to their baseline artifacts under a fresh,
-  higher revision; router weights and flags back to baseline), not a redeploy.
+  higher revision; router weights and flags back to baseline; no injected faults), not a
+  redeploy.
+- Fault injection (``faults`` in a ranker's user_config) is allowed in this cluster: the
+  driver sets ROLLOUT_FAULT_INJECTION=allow before ``ray.init``, and the raylet and every
+  worker it starts inherit the driver's environment.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import ray
 from app.demo_artifacts import make_demo_artifacts
 from app.features import NUM_FEATURES
 from app.packing import PackResult
+from app.replica import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
 from tests.e2e.serve_rest import ServeRest, ray_auth_token
 
 APP = "ranker"
@@ -112,7 +117,8 @@ class Answer:
     failover: bool
     replica: str | None
     user: str | None
-    at: float
+    at: float  # monotonic time the answer arrived
+    started: float = 0.0  # monotonic time the request was sent
 
 
 @dataclass
@@ -151,6 +157,7 @@ class Load:
                     if self._stop.is_set():
                         return
                     body = bodies[i % len(bodies)]
+                    started = time.monotonic()
                     try:
                         r = await client.post("/v1/rank", json=body)
                     except httpx.HTTPError as exc:
@@ -167,6 +174,7 @@ class Load:
                             model.get("replica"),
                             body.get("user_id"),
                             time.monotonic(),
+                            started,
                         )
                     )
 
@@ -207,6 +215,10 @@ class Cluster:
 
     def set_target(self, cohort: str, target: dict[str, Any]) -> None:
         self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "target": target}})
+
+    def set_faults(self, cohort: str, faults: dict[str, float] | None) -> None:
+        """Inject (or, with None, remove) faults in a cohort's rank calls (app.replica)."""
+        self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "faults": faults}})
 
     def set_router(self, **changes: Any) -> None:
         self.rest.update_user_configs(APP, {"router": lambda cfg: {**cfg, **changes}})
@@ -268,6 +280,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
     http_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
     os.environ["RAY_GCS_SERVER_PORT"] = str(free_port())
+    os.environ[FAULT_INJECTION_ENV] = FAULT_INJECTION_ALLOWED  # inherited by every worker
     ray.init(
         address="local",
         namespace=REPORTS_NAMESPACE,
@@ -321,6 +334,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         finally:
             ray.shutdown()
             os.environ.pop("RAY_GCS_SERVER_PORT", None)
+            os.environ.pop(FAULT_INJECTION_ENV, None)
 
 
 BASELINE_ROUTER = {
@@ -334,7 +348,7 @@ BASELINE_ROUTER = {
 @pytest.fixture
 def serving(cluster: Cluster) -> Iterator[Cluster]:
     """Cheap reset: baseline router flags; stable v41 and canary v42 under fresh revisions
-    (replicas ignore lower revisions, so a reset always moves forward)."""
+    (replicas ignore lower revisions, so a reset always moves forward); no injected faults."""
     stable_rev, canary_rev = cluster.revision(), cluster.revision()
     stable = cluster.target(cluster.demo["ranker-v41"], stable_rev)
     canary = cluster.target(cluster.demo["ranker-v42"], canary_rev)
@@ -342,8 +356,8 @@ def serving(cluster: Cluster) -> Iterator[Cluster]:
         APP,
         {
             "router": lambda cfg: {**cfg, **BASELINE_ROUTER},
-            "stable": lambda cfg: {**cfg, "target": stable},
-            "canary": lambda cfg: {**cfg, "target": canary},
+            "stable": lambda cfg: {**cfg, "target": stable, "faults": None},
+            "canary": lambda cfg: {**cfg, "target": canary, "faults": None},
         },
     )
     wait_for(lambda: cluster.rest.app_status(APP) == "RUNNING", 120, "app RUNNING")
@@ -356,3 +370,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Ray Serve's own pydantic models warn on import; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:ray.*")
     config.addinivalue_line("filterwarnings", "ignore:Using extra keyword arguments on `Field`")
+
+
+# The rollout controller's environment (a second application driven by the real controller).
+from tests.e2e.rollout_env import env, rollout_env  # noqa: E402, F401

@@ -1,10 +1,13 @@
 """The serving data plane on a real Ray Serve cluster, under concurrent load.
 
 Every test that changes a target or a weight does it through the declarative config (REST PUT
-of a user_config change), as the rollout controller will, and requires ZERO non-2xx answers.
+of a user_config change), as the rollout controller will, and requires ZERO non-2xx answers -
+except where a test makes every cohort fail on purpose and checks the honest 503s.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -367,3 +370,208 @@ def test_status_and_metrics_carry_the_cohorts(serving: Cluster) -> None:
         return True
 
     wait_for(exported, 60, "router and replica metrics exported with cohort labels")
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+def router_samples(cluster: Cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's series (name, labels without Ray's replica tags) -> value, summed."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    text = httpx.get(cluster.metrics_url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("ray_ranker_router_"):
+                continue
+            labels = tuple(
+                sorted(
+                    (k, v)
+                    for k, v in sample.labels.items()
+                    if k in ("cohort", "outcome", "from_cohort", "le")
+                )
+            )
+            key = (sample.name, labels)
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def router_count(samples: dict, cohort: str, outcome: str) -> float:
+    from app import telemetry as t
+
+    name = t.exported_name(t.ROUTER_REQUESTS, kind="counter")
+    return samples.get((name, (("cohort", cohort), ("outcome", outcome))), 0.0)
+
+
+def router_slower_than(samples: dict, cohort: str, outcome: str, bound_ms: float) -> float:
+    """Observations of the router's latency histogram above ``bound_ms`` (a bucket bound)."""
+    from app import telemetry as t
+
+    name = t.exported_name(t.ROUTER_LATENCY_MS, kind="histogram") + "_bucket"
+    buckets = {
+        float(dict(labels)["le"]): value
+        for (sample, labels), value in samples.items()
+        if sample == name
+        and dict(labels).get("cohort") == cohort
+        and dict(labels).get("outcome") == outcome
+    }
+    assert not buckets or bound_ms in buckets, f"{bound_ms} ms is no bucket bound: {buckets}"
+    return buckets.get(float("inf"), 0.0) - buckets.get(bound_ms, 0.0)
+
+
+def test_canary_faults_show_in_its_router_metrics_and_clients_see_only_2xx(
+    serving: Cluster,
+) -> None:
+    cluster = serving
+    delay_ms = 300.0
+    set_weight(cluster, 5000)
+    with Load(cluster.http_url, concurrency=6) as load:
+        wait_for(lambda: any(a.cohort == "canary" for a in load.answers), 60, "canary traffic")
+        before = router_samples(cluster)
+        cluster.set_faults("canary", {"extra_latency_ms": delay_ms, "error_rate": 0.3})
+
+        def faults_live() -> bool:
+            reports = cluster.latest_reports("canary")
+            assert reports and all(r["faults"] for r in reports.values()), reports
+            assert all(r["last_error"] is None for r in reports.values()), reports
+            return True
+
+        wait_for(faults_live, 30, "faults in effect on the canary")
+        live_at = time.monotonic()
+        mark = load.count()
+        wait_for(
+            lambda: any(a.failover and a.cohort == "stable" for a in load.answers[mark:]),
+            60,
+            "failed canary calls answered by stable",
+        )
+
+        def metrics_show_it() -> bool:
+            now = router_samples(cluster)
+            errors = router_count(now, "canary", "error") - router_count(before, "canary", "error")
+            slow = router_slower_than(now, "canary", "ok", delay_ms) - router_slower_than(
+                before, "canary", "ok", delay_ms
+            )
+            assert errors >= 3 and slow >= 5, (errors, slow)
+            return True
+
+        wait_for(metrics_show_it, 60, "canary errors and slow canary answers in the metrics")
+        slow_after = [a for a in load.answers if a.cohort == "canary" and a.started >= live_at]
+    load.assert_all_ok()
+    assert slow_after, "no canary answers after the faults took effect"
+    # Every canary answer to a request sent after the faults took effect waited for them.
+    assert min(a.at - a.started for a in slow_after) >= delay_ms / 1000
+    # Stable is untouched: no stable errors from the canary's faults.
+    assert router_count(router_samples(cluster), "stable", "error") == router_count(
+        before, "stable", "error"
+    )
+
+
+# --------------------------------------------------------------------------- bad user_config
+
+
+def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
+    serving: Cluster,
+) -> None:
+    cluster = serving
+    before = replica_ids(cluster, "stable")
+    good = cluster.rest.user_config(APP, "stable")
+    try:
+        with Load(cluster.http_url) as load:
+            wait_for(lambda: load.count() >= 20, 60, "traffic on v41")
+            cluster.rest.update_user_configs(
+                APP, {"stable": lambda cfg: {**cfg, "batching": {"max_batch_size": 0}}}
+            )
+
+            def refused_everywhere() -> bool:
+                reports = cluster.latest_reports("stable")
+                assert len(reports) == len(before), reports
+                for rep in reports.values():
+                    err = rep["last_error"]
+                    assert err and err["category"] == "config", rep
+                    assert err["field"] == "user_config.batching.max_batch_size", err
+                    assert rep["actual_artifact"] == "ranker-v41", rep
+                return True
+
+            wait_for(refused_everywhere, 60, "the bad config refused on every stable replica")
+            mark = load.count()
+            wait_for(lambda: load.count() >= mark + 20, 60, "traffic after the bad config")
+            assert cluster.rest.app_status(APP) == "RUNNING"
+    finally:
+        cluster.rest.update_user_configs(APP, {"stable": lambda cfg: good})
+    load.assert_all_ok()
+    assert {a.artifact for a in load.answers} == {"ranker-v41"}
+    assert replica_ids(cluster, "stable") == before  # no replica died or restarted
+
+    def error_cleared() -> bool:
+        reports = cluster.latest_reports("stable")
+        assert reports and all(r["last_error"] is None for r in reports.values()), reports
+        return True
+
+    wait_for(error_cleared, 30, "the good config clears the error")
+
+
+# --------------------------------------------------------------------------- cleared target
+
+
+def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
+    serving: Cluster,
+) -> None:
+    """Canary on v42 at 0% weight; stable made to fail every call. While the canary serves,
+    stable's failures fail over to it (the control). Once its target is cleared, the canary
+    serves nothing: status says so, and no request is answered by it any more."""
+    cluster = serving
+    canary_before = replica_ids(cluster, "canary")
+    try:
+        with Load(cluster.http_url, concurrency=4) as load:
+            wait_for(lambda: load.count() >= 10, 60, "traffic on stable")
+            cluster.set_faults("stable", {"error_rate": 1.0})
+            mark = load.count()
+            wait_for(
+                lambda: any(a.failover and a.cohort == "canary" for a in load.answers[mark:]),
+                60,
+                "stable's failures failing over to the serving canary (control)",
+            )
+            cluster.set_target("canary", None)
+
+            def canary_idle() -> bool:
+                reports = cluster.latest_reports("canary")
+                assert reports, "no canary report"
+                for rep in reports.values():
+                    assert rep["phase"] == "idle", rep
+                    assert rep["actual_revision"] is None and rep["actual_artifact"] is None, rep
+                    assert rep["desired_revision"] is None, rep
+                return True
+
+            wait_for(canary_idle, 30, "canary replicas idle with no model")
+
+            def status_not_serving() -> bool:
+                cohorts = {c["cohort"]: c for c in cluster.status()["cohorts"]}
+                assert cohorts["canary"]["serving"] is False, cohorts["canary"]
+                return True
+
+            wait_for(status_not_serving, 30, "router status: canary not serving")
+            cleared_at = time.monotonic()
+            mark = load.count()
+            wait_for(lambda: load.count() >= mark + 30, 60, "requests after the clear")
+            after = [a for a in load.answers if a.started >= cleared_at]
+            assert after
+            assert not [a for a in after if a.cohort == "canary"], "canary answered after clear"
+            # Stable fails every call and there is nowhere to fail over to: honest 503s.
+            assert {a.status for a in after} == {503}
+
+            # A later target (higher revision) loads normally and takes failovers again.
+            revision = cluster.revision()
+            cluster.set_target("canary", cluster.target(cluster.demo["ranker-v42"], revision))
+            cluster.wait_cohort_serving("canary", "ranker-v42", revision)
+            mark = load.count()
+            wait_for(
+                lambda: any(a.failover and a.cohort == "canary" for a in load.answers[mark:]),
+                60,
+                "failover to the canary once it serves again",
+            )
+    finally:
+        cluster.set_faults("stable", None)
+    assert replica_ids(cluster, "canary") == canary_before  # retired in place, no restart
+    assert not load.errors, load.errors[:5]

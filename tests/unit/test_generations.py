@@ -353,3 +353,52 @@ def test_an_event_that_never_completes_leaves_the_model_uncleaned_and_recorded(c
     assert cleaner.calls[old] == 0 and not old.model.closed  # never freed under the GPU
     assert "release event not complete" in (old.cleanup_error or "")
     holder.close(TIMEOUT)
+
+
+def test_retire_current_lets_borrowers_finish_then_cleans_up_once(holder, cleaner):
+    v42 = _gen(7, "ranker-v42", bias=42)
+    assert _install(holder, v42)
+    borrowed = threading.Barrier(2, timeout=TIMEOUT)
+    finish = threading.Event()
+    answers: list[int] = []
+
+    def request() -> None:
+        with holder.borrow() as gen:
+            borrowed.wait()
+            assert finish.wait(TIMEOUT)
+            answers.append(gen.model.score(1))
+
+    t = threading.Thread(target=request)
+    t.start()
+    borrowed.wait()
+    assert holder.retire_current() is v42
+    assert holder.current is None
+    with pytest.raises(NotReady), holder.borrow():
+        pass
+    assert v42.retired and not v42.model.closed  # pinned by the request in flight
+    finish.set()
+    t.join(TIMEOUT)
+    assert answers == [43]
+    assert holder.wait_idle(TIMEOUT)
+    assert v42.model.closed and cleaner.calls[v42] == 1
+    assert holder.retire_current() is None  # nothing left: no second cleanup
+    assert cleaner.calls[v42] == 1
+
+
+def test_install_after_retire_current(holder, cleaner):
+    assert _install(holder, _gen(7, "ranker-v42"))
+    holder.retire_current()
+    # Same target again, or a newer one, installs; an older revision stays refused.
+    assert not _install_quietly(holder, _gen(6, "ranker-v41"))
+    again = _gen(7, "ranker-v42")
+    assert _install(holder, again) and holder.current is again
+    newer = _gen(8, "ranker-v43")
+    assert _install(holder, newer) and holder.current is newer
+    assert holder.wait_idle(TIMEOUT)
+
+
+def _install_quietly(holder: GenerationHolder, gen: Generation) -> bool:
+    if not holder.set_desired(gen.revision, gen.artifact_id):
+        holder.install(gen)  # refused and cleaned up
+        return False
+    return holder.install(gen)

@@ -61,6 +61,7 @@ class GatedLoader:
     started: list[Target] = field(default_factory=list)
     installed: list[Target] = field(default_factory=list)
     discarded: list[Target] = field(default_factory=list)
+    retired: list[Target | None] = field(default_factory=list)
     refuse_install: bool = False
 
     def gate(self, artifact: str) -> threading.Event:
@@ -84,6 +85,9 @@ class GatedLoader:
     def discard(self, loaded: Loaded) -> None:
         loaded.discarded = True
         self.discarded.append(loaded.target)
+
+    def retire(self) -> None:
+        self.retired.append(self.installed[-1] if self.installed else None)
 
 
 @pytest.fixture
@@ -298,4 +302,78 @@ def test_observer_errors_do_not_break_the_worker() -> None:
     rec.submit(target(2, "b"))
     assert rec.wait_settled(5)
     assert rec.snapshot().actual == target(2, "b")
+    rec.close()
+
+
+# --------------------------------------------------------------------------- cleared target
+
+
+def test_clear_retires_the_serving_generation_and_goes_idle(
+    events: list[ReconcileEvent],
+) -> None:
+    loader = GatedLoader()
+    rec = make(loader, events)
+    rec.load_blocking(target(3, "a"))
+    assert rec.clear() is True
+    snap = rec.snapshot()
+    assert (snap.desired, snap.actual, snap.phase) == (None, None, Phase.IDLE)
+    assert loader.retired == [target(3, "a")]
+    assert events[-1].kind == "cleared" and events[-1].target == target(3, "a")
+    assert rec.clear() is False  # nothing left to clear: no second retire
+    assert loader.retired == [target(3, "a")]
+    rec.close()
+
+
+def test_a_load_in_flight_when_the_target_is_cleared_is_discarded() -> None:
+    loader = GatedLoader()
+    slow = loader.gate("b")
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="load of b started")
+    rec.clear()
+    slow.set()
+    assert rec.wait_settled(5)
+    assert loader.installed == [target(1, "a")]
+    assert loader.discarded == [target(2, "b")]
+    snap = rec.snapshot()
+    assert snap.actual is None and snap.phase is Phase.IDLE and snap.discarded == (2,)
+    rec.close()
+
+
+def test_clear_stops_retries_of_a_failing_target() -> None:
+    loader = GatedLoader(failures={"b": [OSError("reset")] * 10})
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    wait_for(lambda: len(loader.started) >= 2, desc="first attempt of b")
+    rec.clear()
+    assert rec.wait_settled(5)
+    started = len(loader.started)
+    assert rec.snapshot().phase is Phase.IDLE
+    # No retry is scheduled any more: a new target is the next thing the worker loads.
+    rec.submit(target(3, "c"))
+    assert rec.wait_settled(5)
+    assert [t.artifact_id for t in loader.started[started:]] == ["c"]
+    assert rec.snapshot().actual == target(3, "c")
+    rec.close()
+
+
+def test_after_a_clear_newer_targets_load_and_older_ones_stay_late() -> None:
+    loader = GatedLoader()
+    rec = make(loader, [])
+    rec.load_blocking(target(5, "a"))
+    rec.clear()
+    assert rec.submit(target(4, "z")) is Decision.LATE
+    assert rec.submit(target(5, "z")) is Decision.CONFLICT
+    assert rec.wait_settled(5) and rec.snapshot().actual is None
+    # The cleared target itself again: nothing serves it any more, so it loads again.
+    assert rec.submit(target(5, "a")) is Decision.ACCEPTED
+    assert rec.wait_settled(5)
+    assert rec.snapshot().actual == target(5, "a")
+    assert rec.submit(target(6, "b")) is Decision.ACCEPTED
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.actual == target(6, "b") and snap.phase is Phase.READY
+    assert loader.installed == [target(5, "a"), target(5, "a"), target(6, "b")]
     rec.close()

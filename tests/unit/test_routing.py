@@ -10,11 +10,13 @@ from app.routing import (
     BASIS_POINTS,
     CohortHealth,
     bucket,
+    can_fail_over_to,
     choose_cohort,
     decide_route,
     other_cohort,
     parse_forced_cohort,
     request_key,
+    says_not_serving,
     should_fail_over,
 )
 
@@ -223,3 +225,51 @@ def test_a_cohort_known_not_to_serve_is_skipped_when_the_other_serves() -> None:
         random_bp=never_random,
     )
     assert (d.primary, d.bucketed, d.reason) == ("stable", "canary", "not_serving")
+
+
+class NotServingHere(RuntimeError):
+    category = "serving.not_ready"
+
+
+class WrappedLikeRay(NotServingHere):
+    """What Ray raises for a replica's exception: an instance of the cause's class too."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class OnlyCause(RuntimeError):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def test_not_serving_errors_are_recognised_through_ray_wrapping() -> None:
+    assert says_not_serving(NotServingHere("idle"))
+    assert says_not_serving(WrappedLikeRay(NotServingHere("idle")))
+    assert says_not_serving(OnlyCause(NotServingHere("idle")))
+    assert not says_not_serving(RuntimeError("boom"))
+    assert not says_not_serving(OnlyCause(TimeoutError()))
+
+
+def test_a_cohort_that_says_it_serves_nothing_is_no_failover_target() -> None:
+    # The last probe said the canary serves, then its target was cleared: the first call
+    # that meets "not ready" removes it as a failover destination until a probe sees a model.
+    health = {"stable": serving(), "canary": serving()}
+    health["canary"].record_not_serving(now=0.0)
+    later = 60.0  # long after any breaker window
+    assert health["canary"].serving is False
+    d = decide_route(
+        canary_bp=0,
+        salt="s",
+        key="u:a",
+        forced=None,
+        health=health,
+        now=later,
+        random_bp=never_random,
+    )
+    assert d.primary == "stable" and d.fallback is None
+    assert not can_fail_over_to("canary", health, later)
+    health["canary"].record_probe(True)
+    assert can_fail_over_to("canary", health, later)

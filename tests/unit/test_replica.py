@@ -1,0 +1,215 @@
+"""The replica core (app.replica) without Ray: real demo artifacts, real cache, real torch.
+
+What a Ray Serve shell cannot show cheaply: reconfigure never raises once the replica has
+started (a raising reconfigure kills it and its replacements), a cleared target retires the
+serving model, and fault injection is inert unless the process environment allows it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.api import WireRequest
+from app.demo_artifacts import make_demo_artifacts
+from app.errors import ConfigError
+from app.features import NUM_FEATURES
+from app.packing import PackResult
+from app.replica import (
+    FAULT_INJECTION_ENV,
+    NO_FAULT,
+    RankerReplica,
+    ReplicaNotReady,
+)
+
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PackResult]:
+    out = tmp_path_factory.mktemp("demo")
+    return {p.artifact_id: p for p in make_demo_artifacts(out)}
+
+
+def target(packed: PackResult, revision: int) -> dict[str, Any]:
+    return {
+        "revision": revision,
+        "artifact_id": packed.artifact_id,
+        "manifest_uri": packed.manifest_uri,
+        "manifest_sha256": packed.manifest_sha256,
+    }
+
+
+def config(tmp: Path, cohort: str = "canary", **changes: Any) -> dict[str, Any]:
+    return {
+        "cohort": cohort,
+        "cache_dir": str(tmp / "cache"),
+        "retry": {"initial_s": 0.01, "cap_s": 0.02, "max_attempts": 2},
+        **changes,
+    }
+
+
+def request() -> WireRequest:
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(4, NUM_FEATURES)).astype(np.float32)
+    return WireRequest(("a", "b", "c", "d"), feats, {}, 2)
+
+
+def wait_for(predicate, desc: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {desc}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def replica() -> Iterator[RankerReplica]:
+    r = RankerReplica("r-test", loader_nice=0)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def serving(replica: RankerReplica, demo, tmp_path: Path) -> RankerReplica:
+    assert replica.reconfigure(config(tmp_path, target=target(demo["ranker-v42"], 5)))
+    assert replica.rank([request()]).model.artifact_id == "ranker-v42"
+    return replica
+
+
+# --------------------------------------------------------------------------- bad configs
+
+
+def test_an_invalid_first_config_raises(replica: RankerReplica, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"user_config\.batching\.max_batch_size"):
+        replica.reconfigure(config(tmp_path, batching={"max_batch_size": 0}))
+    assert not replica.has_config
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"batching": {"max_batch_size": 0}}, "user_config.batching.max_batch_size"),
+        ({"colour": "red"}, "user_config.colour"),
+        ({"target": {"revision": "six"}}, "user_config.target.revision"),
+        ({"cohort": "stable"}, "user_config.cohort"),
+    ],
+)
+def test_an_invalid_config_on_a_serving_replica_is_refused_not_raised(
+    serving: RankerReplica, tmp_path: Path, change: dict[str, Any], field: str
+) -> None:
+    before = serving.config
+    good = config(tmp_path, target=target_of(serving))
+    assert serving.reconfigure({**good, **change}) is False  # no exception
+    assert serving.config == before
+    report = serving.report()
+    err = report.last_error
+    assert err is not None and err["category"] == "config" and err["field"] == field, err
+    assert report.config_error == err
+    assert (report.actual_artifact, report.phase) == ("ranker-v42", "ready")
+    assert serving.rank([request()]).model.artifact_id == "ranker-v42"
+    # The good config again clears the error (even though it changes nothing).
+    assert serving.reconfigure(good) is False
+    assert serving.report().last_error is None and serving.report().config_error is None
+
+
+def target_of(replica: RankerReplica) -> dict[str, Any]:
+    t = replica.config.target
+    assert t is not None
+    return t.model_dump()
+
+
+def test_a_later_load_failure_shows_over_an_older_config_error(
+    serving: RankerReplica, tmp_path: Path, demo
+) -> None:
+    good = config(tmp_path, target=target_of(serving))
+    serving.reconfigure({**good, "colour": "red"})
+    broken = {**target(demo["ranker-v41"], 6), "manifest_sha256": "0" * 64}
+    serving.reconfigure(config(tmp_path, target=broken))
+    wait_for(lambda: serving.report().phase == "failed", "the broken target failed")
+    report = serving.report()
+    assert report.last_error is not None and report.last_error["revision"] == 6
+    assert report.actual_artifact == "ranker-v42"
+
+
+# --------------------------------------------------------------------------- cleared target
+
+
+def test_a_cleared_target_retires_the_model_and_a_newer_one_loads(
+    serving: RankerReplica, tmp_path: Path, demo
+) -> None:
+    model = serving._holder.current.model  # type: ignore[union-attr]
+    assert serving.reconfigure(config(tmp_path, target=None)) is True
+    report = serving.report()
+    assert (report.phase, report.actual_revision, report.actual_artifact) == ("idle", None, None)
+    assert report.desired_revision is None
+    with pytest.raises(ReplicaNotReady):
+        serving.rank([request()])
+    assert serving._holder.wait_idle(TIMEOUT) and model.closed  # cleaned up, lease released
+    # A later target loads in the background (the replica is running: no blocking load).
+    assert serving.reconfigure(config(tmp_path, target=target(demo["ranker-v41"], 6)))
+    wait_for(lambda: serving.report().actual_revision == 6, "revision 6 installed")
+    assert serving.rank([request()]).model.artifact_id == "ranker-v41"
+    assert serving.report().phase == "ready"
+
+
+def test_an_older_revision_after_a_clear_is_ignored(
+    serving: RankerReplica, tmp_path: Path, demo
+) -> None:
+    serving.reconfigure(config(tmp_path, target=None))
+    serving.reconfigure(config(tmp_path, target=target(demo["ranker-v41"], 4)))
+    assert serving._reconciler.wait_settled(TIMEOUT)
+    report = serving.report()
+    assert report.actual_revision is None and report.phase == "idle"
+
+
+def test_a_failed_target_on_an_idle_running_replica_is_reported_not_raised(
+    replica: RankerReplica, tmp_path: Path, demo
+) -> None:
+    replica.reconfigure(config(tmp_path))  # an idle pool starts with no target
+    broken = {**target(demo["ranker-v41"], 2), "feature_schema": "ranker-features-v2"}
+    assert replica.reconfigure(config(tmp_path, target=broken))  # no exception
+    wait_for(lambda: replica.report().phase == "failed", "the broken target failed")
+    assert replica.report().last_error["category"] == "schema"  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+FAULTS = {"extra_latency_ms": 250.0, "error_rate": 0.5}
+
+
+def test_faults_are_ignored_and_reported_without_the_environment_switch(
+    serving: RankerReplica, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
+    assert serving.reconfigure(config(tmp_path, target=target_of(serving), faults=FAULTS))
+    assert serving.config.faults is not None  # accepted ...
+    assert all(serving.plan_fault() == NO_FAULT for _ in range(200))  # ... but inert
+    assert serving.report().faults is None
+    err = serving.report().last_error
+    assert err is not None and err["category"] == "config" and err["field"] == "user_config.faults"
+
+
+def test_faults_take_effect_where_the_environment_allows_them(
+    serving: RankerReplica, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "allow")
+    assert serving.reconfigure(config(tmp_path, target=target_of(serving), faults=FAULTS))
+    plans = [serving.plan_fault() for _ in range(2000)]
+    assert {p.delay_s for p in plans} == {0.25}
+    failed = sum(p.fail for p in plans) / len(plans)
+    assert 0.4 < failed < 0.6, failed
+    report = serving.report()
+    assert report.last_error is None and report.faults == FAULTS
+    always = {"error_rate": 1.0}
+    serving.reconfigure(config(tmp_path, target=target_of(serving), faults=always))
+    assert all(serving.plan_fault().fail for _ in range(100))
+    # Faults off again: no plan, and nothing reported.
+    serving.reconfigure(config(tmp_path, target=target_of(serving)))
+    assert serving.plan_fault() == NO_FAULT
