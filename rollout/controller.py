@@ -405,7 +405,7 @@ class RolloutEngine:
         match action:
             case SetWeights(canary_bp=bp):
                 self._set_router_weight(bp)
-                self._event("weights", f"canary {bp / 100:g}%")
+                self._event("weights", f"canary {bp / 100:g}%", canary_bp=bp)
             case SetCanaryTarget(artifact_id=None):
                 self._set_serve_target(s.canary_deployment, None)
             case SetCanaryTarget(artifact_id=artifact_id):
@@ -565,13 +565,15 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- persistence
 
-    def _event(self, event: str, message: str, *, key: str | None = None) -> None:
+    def _event(self, event: str, message: str, *, key: str | None = None, **data: Any) -> None:
         live = self._live
         if live is None:
             return
         if key is not None and any(e.get("key") == key for e in live.events):
             return  # a replayed audit record
-        live.events.append({"key": key, "event": event, "message": message, "at": self.clock()})
+        live.events.append(
+            {"key": key, "event": event, "message": message, "at": self.clock(), **data}
+        )
         del live.events[:-EVENT_HISTORY]
         log.info("rollout %s: %s: %s", live.state.rollout_id, event, message)
 
@@ -655,7 +657,14 @@ class RolloutEngine:
     def view(self) -> dict[str, Any]:
         s = self.settings
         with self._lock:
-            targets = [t.to_dict() for t in self.registry.list_targets(s.model, s.environment)]
+            targets: list[dict[str, Any]] | None
+            try:
+                targets = [t.to_dict() for t in self.registry.list_targets(s.model, s.environment)]
+            except RolloutSystemError as exc:
+                # Status is asked for exactly when something is down: show the rollout as
+                # the controller holds it, and say that the registry cannot be read.
+                targets = None
+                self._error(f"status: registry: {exc}")
             window = self.last_window
             return {
                 **self.rollout_summary(),

@@ -9,9 +9,8 @@ with one JSON line. Exit status 1 if any request failed or the story did not end
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 import click
 
+from rollout.local_stack import BASELINE, CANDIDATE, LocalStack
 from rollout.traffic import (
     RequestRecord,
     TrafficRun,
@@ -28,9 +28,6 @@ from rollout.traffic import (
     plot_timeline,
     summarize,
 )
-
-CANDIDATE = "ranker-v42"
-BASELINE = "ranker-v41"
 
 DEMO_PLAN: dict[str, Any] = {
     "steps": [10, 25, 50, 100],
@@ -59,6 +56,7 @@ class Timeline:
     clock: Callable[[], float]
     weights: list[tuple[float, float]] = field(default_factory=list)
     phases: list[tuple[float, str]] = field(default_factory=list)
+    marks: list[tuple[float, str]] = field(default_factory=list)  # the demo's own steps
 
     def observe(self, view: dict[str, Any]) -> bool:
         now = self.clock()
@@ -76,7 +74,29 @@ class Timeline:
         return changed
 
     def mark(self, label: str) -> None:
-        self.phases.append((self.clock(), label))
+        self.marks.append((self.clock(), label))
+
+    def labels(self) -> list[tuple[float, str]]:
+        return sorted(self.phases + self.marks)
+
+    def adopt_events(self, events: list[dict[str, Any]], started_at: float) -> None:
+        """Replace what polling saw with the controller's own record of when it set each
+        weight and entered each phase (polling lags when the machine is busy)."""
+        weights = [self.weights[0]] if self.weights else []
+        phases = [self.phases[0]] if self.phases else []
+        for event in events:
+            t = float(event["at"]) - started_at
+            if event["event"] == "weights" and event.get("canary_bp") is not None:
+                weights.append((t, event["canary_bp"] / 100))
+            elif event["event"] == "step":
+                # The machine counts steps from 0; people (and `rollout status`) from 1.
+                found = re.search(r"step (\d+) \((.*)\)", event["message"])
+                label = f"step {int(found[1]) + 1} ({found[2]})" if found else event["message"]
+                phases.append((t, label))
+            elif event["event"] not in ("analysis", "weights", "created", "command_ignored"):
+                phases.append((t, event["event"]))
+        self.weights = weights
+        self.phases = phases
 
 
 def _echo(message: str) -> None:
@@ -116,84 +136,19 @@ def step_shares(
 
 
 def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
-    import ray
-
-    from app.demo_artifacts import make_demo_artifacts
-    from app.registry import open_registry
-    from rollout.controller import CONTROLLER_NAME, ControllerSettings, ensure_controller
-    from rollout.local_cluster import LocalCluster
-
     started = time.monotonic()
-    workdir = workdir.resolve()
-    if not keep:
-        shutil.rmtree(workdir / "cache", ignore_errors=True)
-        (workdir / "registry.db").unlink(missing_ok=True)
-        for suffix in ("-wal", "-shm"):
-            (workdir / f"registry.db{suffix}").unlink(missing_ok=True)
-    workdir.mkdir(parents=True, exist_ok=True)
-
-    _echo("== packing the demo artifacts")
-    packed = {p.artifact_id: p for p in make_demo_artifacts(workdir / "artifacts")}
-    registry_url = f"sqlite:///{workdir / 'registry.db'}"
-    registry = open_registry(registry_url)
-    for artifact_id in (BASELINE, CANDIDATE):
-        p = packed[artifact_id]
-        registry.register_artifact(p.manifest_uri, p.manifest_sha256)
-        registry.approve_artifact("ranker", artifact_id, actor="demo", reason="offline eval ok")
-        _echo(f"   registered + approved {artifact_id} ({p.manifest_sha256[:12]}...)")
-    stable = registry.publish(
-        "ranker", "default", "stable", BASELINE, 0, actor="demo", reason="initial deploy"
-    )
-
-    _echo("== starting local Ray + Serve")
-    cluster = LocalCluster.start()
+    stack = LocalStack.up(workdir, fresh=not keep, echo=_echo)
+    workdir = stack.workdir
     run: TrafficRun | None = None
     try:
-        _echo(f"   dashboard {cluster.dashboard_url}   HTTP {cluster.http_url}")
-        cluster.deploy(
-            [
-                {
-                    "name": "ranker",
-                    "route_prefix": "/",
-                    "import_path": "app.main:build_app",
-                    "args": {
-                        "stable": {
-                            "num_replicas": 1,
-                            "target": {
-                                "revision": stable.revision,
-                                "artifact_id": stable.artifact_id,
-                                "manifest_uri": stable.manifest_uri,
-                                "manifest_sha256": stable.manifest_sha256,
-                                "feature_schema": stable.feature_schema,
-                            },
-                        },
-                        "canary": {"num_replicas": 1},
-                        "cache_dir": str(workdir / "cache"),
-                        "controller": {"name": CONTROLLER_NAME, "namespace": "rollout"},
-                        "report_interval_s": 1.0,
-                    },
-                }
-            ]
-        )
-        _echo(f"   deployed: stable {BASELINE} (revision {stable.revision}), canary idle")
-        controller = ensure_controller(
-            ControllerSettings(
-                registry_url=registry_url,
-                dashboard_url=cluster.dashboard_url,
-                metrics_endpoints=(cluster.metrics_url,),
-                tick_interval_s=0.5,
-                metrics_delay_s=1.5,
-                report_stale_s=10,
-            )
-        )
 
         def status() -> dict[str, Any]:
-            return ray.get(controller.status.remote(), timeout=60)
+            return stack.call("status")
 
         _echo(f"== steady traffic: {rate:g} requests/s from 1000 users")
         run = TrafficRun(
             TrafficSpec(
-                url=cluster.http_url, rate=rate, concurrency=16, max_requests=100_000,
+                url=stack.cluster.http_url, rate=rate, concurrency=16, max_requests=100_000,
                 max_seconds=170,
             )
         ).start()  # fmt: skip
@@ -203,7 +158,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
 
         _echo(f"== rollout of {CANDIDATE} (steps {DEMO_PLAN['steps']}%, "
               f"{DEMO_PLAN['interval_s']}s windows)")  # fmt: skip
-        ray.get(controller.start_rollout.remote(CANDIDATE, DEMO_PLAN, "demo"), timeout=60)
+        stack.call("start_rollout", CANDIDATE, DEMO_PLAN, "demo")
 
         verdicts_shown = 0
 
@@ -236,10 +191,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         _echo(f"== rolling stable back to {BASELINE} on request")
         rollback_at = run.now_s()
         timeline.mark("rollback requested")
-        target = ray.get(
-            controller.rollback_stable.remote(BASELINE, "demo", "demo: rollback on request"),
-            timeout=60,
-        )
+        target = stack.call("rollback_stable", BASELINE, "demo", "demo: rollback on request")
 
         def back_on_baseline() -> bool:
             recent = [r for r in run.records if r.start_s >= run.now_s() - 1.5 and r.artifact_id]
@@ -252,13 +204,15 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
               f"{rollback_s:.1f}s after the request")  # fmt: skip
         time.sleep(2)  # a little steady traffic on the restored baseline for the picture
         records = run.stop()
+        assert run.started_at is not None
+        rollout = stack.registry.list_rollouts("ranker", "default", limit=1)[0]
+        timeline.adopt_events(rollout.state.get("events", []), run.started_at)
         run = None
+        current_stable = stack.registry.get_target("ranker", "default", "stable").artifact_id
     finally:
         if run is not None:
             run.stop()
-        with contextlib.suppress(ValueError):  # never created
-            ray.kill(ray.get_actor(CONTROLLER_NAME, namespace="rollout"), no_restart=True)
-        LocalCluster.stop()
+        stack.down()
 
     summary = summarize(records)
     shares = step_shares(records, timeline.weights)
@@ -266,12 +220,10 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         records,
         workdir / "timeline.png",
         weights=timeline.weights,
-        phases=timeline.phases,
+        phases=timeline.labels(),
         title=f"rollout demo: {BASELINE} -> {CANDIDATE} -> rollback",
     )
     (workdir / "records.json").write_text(json.dumps([r.__dict__ for r in records]))
-    current_stable = registry.get_target("ranker", "default", "stable").artifact_id
-    registry.close()
 
     _echo("== summary")
     _echo(f"   requests {summary.requests}, non-2xx {summary.non_2xx}, "
@@ -285,7 +237,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         _echo(f"     {row['canary_weight_pct']:>5g}%  -> {observed:>6} of {row['requests']} "
               f"requests  [{row['from_s']}s, {row['to_s'] or 'end'}]")  # fmt: skip
     _echo("   phases (seconds since traffic started):")
-    for t, label in timeline.phases:
+    for t, label in timeline.labels():
         _echo(f"     {t:7.1f}s  {label}")
     _echo(f"   answers by artifact: {summary.by_artifact}")
     _echo(f"   timeline picture: {picture}")
