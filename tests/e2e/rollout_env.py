@@ -107,8 +107,11 @@ def register(registry: Registry, packed: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def env(cluster: Cluster) -> Iterator[RolloutEnv]:
-    registry_url = f"sqlite:///{cluster.work / 'rollout-registry.db'}"
+def env(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[RolloutEnv]:
+    # A registry per module: the application (and so its replicas' revision memory) is new
+    # for every module, and revisions start again from 1.
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    registry_url = f"sqlite:///{cluster.work / f'rollout-registry-{module}.db'}"
     registry = open_registry(registry_url)
     for name in (BASELINE, CANDIDATE):
         register(registry, cluster.demo[name])

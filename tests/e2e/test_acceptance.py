@@ -1,0 +1,553 @@
+"""Acceptance scenarios under steady load and faults (issue 6 item 2; seeds/000 section 9).
+
+Each scenario drives the real controller on the ``rollout-e2e`` application
+(tests/e2e/rollout_env.py) through tests/e2e/dsl.py's Given / When / Then, under open-loop
+traffic from ``rollout.traffic.TrafficRun`` (500 users keyed by user id, a plain client
+without retries unless a scenario says otherwise), and asserts counts, never timings: failed
+requests, answers by generation, cohort shares against weights, switches per user, phases and
+reasons. Every scenario starts with stable on ranker-v41 and no rollout, and ends the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from app.errors import NotFound
+from app.registry import Registry, open_registry
+from rollout.controller import get_controller
+from tests import artifacts, postgres
+from tests.e2e.artifact_server import GatedArtifactServer
+from tests.e2e.conftest import rank_body, wait_for
+from tests.e2e.dsl import Scenario, plan
+from tests.e2e.rollout_env import APP, BASELINE, CANDIDATE, RolloutEnv, register
+
+pytestmark = [pytest.mark.e2e, pytest.mark.acceptance]
+
+
+@pytest.fixture
+def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
+    s = Scenario(rollout_env, request.node.name)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def replica_report(deployment: str) -> dict[str, Any]:
+    """The instance report of the deployment's replica (one replica each here), asked
+    directly as the router's probes do."""
+    handle = serve.get_deployment_handle(deployment, app_name=APP)
+    return handle.status.remote().result(timeout_s=30)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Full rollout v41 -> v42 -> promotion -> rollback to v41, under steady load.
+
+
+def test_full_rollout_promotion_and_rollback_lose_nothing(scenario: Scenario) -> None:
+    s = scenario
+    # Longer steps than FAST_PLAN's so every weight has a few hundred requests to count.
+    s.given.stable_on(BASELINE).steady_traffic(rate=35)
+    s.when.start_rollout(CANDIDATE, plan(interval_s=5)).wait_for_finish(timeout=180)
+    s.then.expect_phase("succeeded").expect_stable_target(CANDIDATE)
+    s.when.wait_for_answers(
+        "stable on v42",
+        lambda r: (r.cohort, r.artifact_id) == ("stable", CANDIDATE),
+        after="phase succeeded",
+    )
+    s.when.rollback_stable(BASELINE, "acceptance: back to v41")
+    rollback_rev = s.found["rollback_target"]["revision"]
+    s.when.wait_for_answers(
+        f"stable on v41 at revision {rollback_rev}",
+        lambda r: (r.cohort, r.artifact_id, r.revision) == ("stable", BASELINE, rollback_rev),
+        after="stable rollback",
+    ).stop_traffic()
+
+    s.then.expect_failed_requests(at_most=0).expect_stable_target(BASELINE)
+    s.then.expect_published_generations_only().expect_generations_never_go_back()
+    s.then.expect_users_switch_at_most_once_per_direction()
+    # Shares per weight: within 4 sigma, sigma^2 = p(1-p)(1/n + 1/500) (binomial noise of
+    # n requests plus which of the 500 users the hash puts under the weight; ~0.13 at 20%
+    # with ~200 answers), exact at 0% and 100%; and no request routed against its bucket.
+    s.then.expect_cohort_shares_follow_weights(weights=(0, 2000, 5000, 10_000))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Bad candidates: the canary never becomes ready, nothing answers from them.
+
+
+def _truncated(root: Path) -> Any:
+    packed = artifacts.good_artifact(root, artifact_id="ranker-truncated", seed=11)
+    artifacts.truncate_file(packed, _weights_file(packed))
+    return packed
+
+
+def _tampered(root: Path) -> Any:
+    packed = artifacts.good_artifact(root, artifact_id="ranker-tampered", seed=12)
+    artifacts.flip_byte(packed, _weights_file(packed))
+    return packed
+
+
+def _weights_file(packed: Any) -> str:
+    import json
+
+    manifest = json.loads((packed.out_dir / "manifest.json").read_text())
+    return next(f["path"] for f in manifest["files"] if f["path"].startswith("weights"))
+
+
+BAD_CANDIDATES = {
+    # name: (builder, the rejection category the rollout's reason must name)
+    "truncated": (_truncated, "size"),
+    "tampered": (_tampered, "digest"),
+    "wrong_schema": (artifacts.wrong_schema_artifact, "schema"),
+    "wrong_shape": (artifacts.wrong_shape_artifact, "load"),
+    "nan_weights": (artifacts.nan_weights_artifact, "dry_run"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_CANDIDATES))
+def test_bad_candidate_never_serves_and_fails_the_rollout(
+    scenario: Scenario, kind: str, tmp_path: Path
+) -> None:
+    s = scenario
+    build, category = BAD_CANDIDATES[kind]
+    bad = build(tmp_path / "store")
+    s.given.stable_on(BASELINE).candidate(bad).steady_traffic(rate=30)
+    s.when.start_rollout(bad.artifact_id).wait_for_finish(timeout=120)
+    s.then.expect_phase("failed", reason_has=(bad.artifact_id, f"{category}:"))
+    s.when.wait_for_answers(
+        "stable still answering", lambda r: r.cohort == "stable", after="phase failed"
+    ).stop_traffic()
+
+    s.then.expect_no_event("canary_ready").expect_no_answer_from(bad.artifact_id)
+    s.then.expect_failed_requests(at_most=0).expect_stable_target(BASELINE)
+    s.then.expect_answers_only_from("stable", BASELINE, after="rollout started")
+    reports = s.env.registry.list_replica_reports("ranker", "default", cohort="canary")
+    s.check(
+        all(r.actual_artifact_id != bad.artifact_id for r in reports),
+        f"a canary replica reports {bad.artifact_id} as actual: {reports}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A candidate that passes its dry run but regresses under traffic is rolled back.
+
+
+REGRESSIONS = {
+    # name: (faults in the canary's rank calls, what the rollout's reason must name)
+    "latency": ({"extra_latency_ms": 1500.0}, "canary p99"),
+    "errors": ({"error_rate": 0.5}, "canary success rate"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REGRESSIONS))
+def test_canary_regression_rolls_back_to_stable(scenario: Scenario, kind: str) -> None:
+    s = scenario
+    faults, failed_check = REGRESSIONS[kind]
+    s.given.stable_on(BASELINE).canary_faults(**faults).steady_traffic(rate=35)
+    s.when.start_rollout(CANDIDATE).wait_for_event("canary_ready")
+    # The dry run passed (every canary replica serves v42) and the controller's target write
+    # kept the injected faults beside the target.
+    canary_config = s.env.control.current_user_config(APP, "canary") or {}
+    s.check(
+        (canary_config.get("target") or {}).get("artifact_id") == CANDIDATE
+        and canary_config.get("faults") == faults,
+        f"canary user_config lost a field: {canary_config}",
+    )
+    s.when.wait_for_finish(timeout=120)
+    s.then.expect_phase("rolled_back", reason_has=("consecutive failed checks", failed_check))
+    s.when.wait_for_answers(
+        "stable only", lambda r: r.cohort == "stable", after="phase rolled_back"
+    )
+    s.when.stop_traffic()
+
+    s.then.expect_router_weight(0).expect_stable_target(BASELINE)
+    s.then.expect_answers_only_from("stable", BASELINE, after="phase rolled_back")
+    # The router fails a canary error over to stable: no client sees it.
+    s.then.expect_failed_requests(at_most=0)
+    failovers = sum(r.failover for r in s.records or [])
+    s.note(f"failovers absorbed: {failovers}")
+    if kind == "errors":
+        s.check(failovers > 0, "the canary's injected errors never reached the router")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Controller killed and restarted; duplicate and late target notifications.
+
+
+def test_controller_restart_and_duplicate_or_late_notifications_converge(
+    scenario: Scenario,
+) -> None:
+    s = scenario
+    gated = plan(gates={"pause_before_steps": [50]})
+    s.given.stable_on(BASELINE).steady_traffic(rate=35)
+    s.when.start_rollout(CANDIDATE, gated).wait_for_phase("paused")
+    canary_target = s.env.registry.get_target("ranker", "default", "canary")
+    before = replica_report("canary")
+
+    s.when.kill_controller()
+    # Duplicate notifications: the same config PUT again (Serve: nothing to do), then a change
+    # of another field that hands the replica the same target again (it must not reload).
+    original_interval = (s.env.control.current_user_config(APP, "canary") or {})[
+        "report_interval_s"
+    ]
+    s.when.reput_same_config().edit_user_config("canary", report_interval_s=0.4)
+    s.on_cleanup(
+        "canary report interval",
+        lambda: s.when.edit_user_config("canary", report_interval_s=original_interval),
+    )
+    # A late notification: an older revision (the baseline artifact) arrives after the newer.
+    late = {
+        "revision": canary_target.revision - 1,
+        "artifact_id": BASELINE,
+        "manifest_uri": s.env.cluster.demo[BASELINE].manifest_uri,
+        "manifest_sha256": s.env.cluster.demo[BASELINE].manifest_sha256,
+        "feature_schema": canary_target.feature_schema,
+    }
+    s.when.edit_user_config("canary", target=late)
+    late_config = s.env.control.current_user_config(APP, "canary")
+    s.when.wait_until(
+        "canary replica reconfigured with the late target",
+        lambda: s.env.control.wait_applied(APP, "canary", user_config=late_config, timeout_s=5),
+    )
+    report = replica_report("canary")
+    s.check(
+        (report["desired_revision"], report["actual_revision"])
+        == (canary_target.revision, canary_target.revision),
+        f"the canary replica took the late target: {report}",
+    )
+    s.when.wait_for_answers(
+        "canary still answering on v42",
+        lambda r: (r.cohort, r.artifact_id) == ("canary", CANDIDATE),
+        count=10,
+        after="controller killed",
+    )
+
+    s.when.start_controller()
+    s.check(
+        any("canary target" in line for line in s.found["repaired"]),
+        f"the restarted controller did not repair the late canary target: {s.found['repaired']}",
+    )
+    s.when.wait_for_phase("paused")  # resumed where it was
+    after = replica_report("canary")
+    s.check(
+        (after["actual_artifact"], after["actual_revision"], after["timings"])
+        == (before["actual_artifact"], before["actual_revision"], before["timings"]),
+        f"the canary replica reloaded or moved: before {before}, after {after}",
+    )
+    served = (s.env.control.current_user_config(APP, "canary") or {}).get("target") or {}
+    s.check(
+        (served.get("artifact_id"), served.get("revision")) == (CANDIDATE, canary_target.revision),
+        f"Serve's canary target not repaired: {served}",
+    )
+
+    s.when.command("resume").wait_for_finish(timeout=150)
+    s.when.stop_traffic()
+    s.then.expect_phase("succeeded").expect_stable_target(CANDIDATE)
+    s.then.expect_failed_requests(at_most=0).expect_published_generations_only()
+    s.then.expect_no_answer(cohort="canary", artifact=BASELINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A slow canary load overtaken by a rollback and a newer target never installs.
+
+
+def test_slow_candidate_overtaken_by_rollback_never_installs(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    s = scenario
+    store = tmp_path / "http-store"
+    slow = artifacts.good_artifact(store, artifact_id="ranker-slow", seed=21)
+    server = GatedArtifactServer(store)
+    s.on_cleanup("gated artifact store", server.close)
+    server.hold("ranker-slow")  # its files wait at the gate until released
+    s.given.stable_on(BASELINE).candidate(slow, manifest_uri=server.manifest_uri("ranker-slow"))
+    s.given.steady_traffic(rate=30)
+
+    s.when.start_rollout(slow.artifact_id).wait_until(
+        "canary download of ranker-slow held at the store",
+        lambda: server.waiting("ranker-slow") >= 1,
+    )
+    slow_rev = s.env.registry.get_target("ranker", "default", "canary").revision
+    s.when.command("rollback", "operator: the candidate takes too long").wait_for_finish()
+    s.then.expect_phase("rolled_back", reason_has=("the candidate takes too long",))
+    # A newer canary target (a rollout of v42, at a higher revision) while the slow download
+    # is still held; it holds at a gate once the canary is ready.
+    s.when.start_rollout(CANDIDATE, plan(gates={"pause_before_steps": [20]})).wait_until(
+        "canary target published for v42",
+        lambda: s.env.registry.get_target("ranker", "default", "canary").artifact_id == CANDIDATE,
+    )
+    newer_rev = s.env.registry.get_target("ranker", "default", "canary").revision
+    s.when.wait_until(
+        "canary replica desires the newer target",
+        lambda: replica_report("canary")["desired_revision"] == newer_rev,
+    )
+    s.check(server.waiting("ranker-slow") >= 1, "the slow download was not held")
+    server.release("ranker-slow")
+    s.when.wait_for_phase("paused")  # the canary serves v42: ready
+    report = replica_report("canary")
+    s.check(
+        slow_rev in report["discarded_revisions"]
+        and (report["actual_artifact"], report["actual_revision"]) == (CANDIDATE, newer_rev),
+        f"ranker-slow (rev {slow_rev}) was not discarded, or v42 not installed: {report}",
+    )
+    s.when.command("abort", "acceptance: done").wait_for_finish()
+    s.when.stop_traffic()
+
+    s.then.expect_phase("aborted").expect_no_answer_from(slow.artifact_id)
+    s.then.expect_failed_requests(at_most=0).expect_stable_target(BASELINE)
+    reports = s.env.registry.list_replica_reports("ranker", "default", cohort="canary")
+    s.check(
+        all(r.actual_artifact_id != slow.artifact_id for r in reports),
+        f"a canary replica reports ranker-slow as actual: {reports}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Killed replicas: failover absorbs them, Serve replaces them, capacity comes back.
+
+
+def _replaced(s: Scenario, deployment: str, artifact: str) -> bool:
+    """A RUNNING replica of ``deployment`` other than the killed one, reporting ``artifact``
+    as both desired and actual (its startup load finished before it ran)."""
+    killed = s.found["killed"][deployment]
+    running = s.env.replica_ids(deployment) - {killed}
+    assert running, f"no new {deployment} replica running yet"
+    view = {r["replica"]: r for r in s.env.status()["replicas"]}
+    for rid in running:
+        r = view.get(rid)
+        assert r and (r["desired"], r["actual"]) == (artifact, artifact), f"{rid}: {r}"
+    return True
+
+
+def test_killed_canary_and_stable_replicas_cost_no_request(scenario: Scenario) -> None:
+    s = scenario
+    # Held at 20% by a gate, with a threshold no test window reaches: this scenario is about
+    # replica deaths, not about the judge.
+    held = plan(gates={"pause_before_steps": [50]}, threshold=1000)
+    s.given.stable_on(BASELINE).steady_traffic(rate=30, timeout_s=60)
+    s.when.start_rollout(CANDIDATE, held).wait_for_phase("paused")
+    s.when.wait_for_answers(
+        "canary answering", lambda r: r.cohort == "canary", count=10, after="phase paused"
+    )
+
+    s.when.kill_replica("canary").wait_until(
+        "a new canary replica serving v42", lambda: _replaced(s, "canary", CANDIDATE), 120
+    )
+    s.mark("canary replaced")
+    s.when.wait_for_answers(
+        "canary answering again",
+        lambda r: (r.cohort, r.failover) == ("canary", False),
+        count=10,
+        after="canary replaced",
+    )
+    s.when.kill_replica("stable").wait_until(
+        "a new stable replica serving v41", lambda: _replaced(s, "stable", BASELINE), 120
+    )
+    s.mark("stable replaced")
+    s.when.wait_for_answers(
+        "stable answering again",
+        lambda r: (r.cohort, r.failover) == ("stable", False),
+        count=10,
+        after="stable replaced",
+    )
+    s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
+
+    # Failover (the other cohort serves a verified model) absorbs both deaths.
+    s.then.expect_failed_requests(at_most=0).expect_published_generations_only()
+    s.then.expect_phase("aborted").expect_stable_target(BASELINE)
+    s.note(f"failovers: {sum(r.failover for r in s.records or [])}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Draining and scale-down during a traffic shift.
+
+
+def test_drain_and_scale_down_during_a_shift_lose_no_retried_request(scenario: Scenario) -> None:
+    s = scenario
+    # Held at 20% by an operator pause, with a threshold no test window reaches: this scenario
+    # is about draining and scaling, not about the judge.
+    s.given.stable_on(BASELINE).canary_faults(extra_latency_ms=300.0)  # requests in flight
+    s.given.steady_traffic(rate=30).retrying_clients(concurrency=4)
+    s.when.start_rollout(CANDIDATE, plan(threshold=1000)).wait_for_weight(2000)
+    s.when.command("pause", "acceptance: hold the shift").wait_for_phase("paused")
+    s.when.wait_for_answers(
+        "slow canary answering", lambda r: r.cohort == "canary", count=10, after="phase paused"
+    )
+
+    s.on_cleanup("router draining off", lambda: s.when.edit_user_config("router", draining=False))
+    s.when.edit_user_config("router", draining=True)
+    s.mark("draining")
+    s.when.wait_for_answers("503 while draining", lambda r: r.status == 503, after="draining")
+    refused = httpx.post(f"{s.env.url}/v1/rank", json=rank_body("probe-user"), timeout=30)
+    s.check(
+        refused.status_code == 503 and refused.headers.get("retry-after", "").isdigit(),
+        f"draining answer: {refused.status_code} {dict(refused.headers)}",
+    )
+    s.when.edit_user_config("router", draining=False)
+    s.mark("undrained")
+    s.when.wait_for_answers("answers after draining", lambda r: r.status == 200, after="undrained")
+    # Scale-down while stable carries 80% of the traffic: the removed replica finishes what
+    # it holds (graceful shutdown), new requests go to the one left.
+    s.on_cleanup("stable back to 1 replica", lambda: s.when.scale("stable", 1))
+    s.when.scale("stable", 2).scale("stable", 1)
+    s.when.wait_for_answers(
+        "stable answering after the scale-down",
+        lambda r: r.cohort == "stable",
+        after="stable scaled to 1",
+    )
+    s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
+
+    records = s.records or []
+    refusals = [r for r in records if not 200 <= r.status < 300]
+    answered_at = {id(r): r.start_s + r.latency_ms / 1000 for r in records}
+    # The plain client saw 503 "draining" (with Retry-After, above) and nothing else, each
+    # answered while the router drained (a refusal is answered on arrival; the undrain takes
+    # a moment to reach the router).
+    s.check(
+        all(r.status == 503 and "draining" in (r.error or "") for r in refusals)
+        and all(
+            s.marks["draining"] <= answered_at[id(r)] <= s.marks["undrained"] + 5 for r in refusals
+        ),
+        f"unexpected failures: {refusals[:5]}",
+    )
+    first_refusal = min(answered_at[id(r)] for r in refusals)
+    crossed = [
+        r for r in records if r.status == 200 and r.start_s < first_refusal < answered_at[id(r)]
+    ]
+    s.check(bool(crossed), "no request was in flight when the router began to refuse")
+    calls = s.found["retrying"].calls
+    retried = [c for c in calls if c.attempts > 1]
+    failed = [c for c in calls if c.status != 200]
+    s.note(
+        f"plain client: {len(records)} requests, {len(refusals)} refused with 503 while "
+        f"draining, {len(crossed)} in flight across the first refusal answered 200; retrying "
+        f"client: {len(calls)} calls, {len(retried)} retried, {len(failed)} failed"
+    )
+    s.check(not failed, f"the retrying client failed {len(failed)} calls: {failed[:3]}")
+    s.check(bool(retried), "no retrying call met the drain")
+    s.then.expect_phase("aborted").expect_stable_target(BASELINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The registry (PostgreSQL) goes down mid-rollout and comes back.
+
+
+def _pg_ctl(server: postgres.PostgresServer, *args: str) -> None:
+    cmd = [str(server.bindir / "pg_ctl"), "-D", str(server.data_dir), *args]
+    if os.geteuid() == 0:
+        cmd = ["runuser", "-u", server.user, "--", *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"pg_ctl {args}: {done.stderr}\n{server.log_tail()}"
+
+
+def _pg_stop(server: postgres.PostgresServer) -> None:
+    _pg_ctl(server, "-m", "fast", "-w", "stop")
+
+
+def _pg_start(server: postgres.PostgresServer) -> None:
+    options = (
+        f"-p {server.port} -k {server.root} -c listen_addresses={server.host} -c fsync=off "
+        "-c max_connections=200 -c autovacuum=off"
+    )
+    _pg_ctl(server, "-l", str(server.log_file), "-w", "-t", "60", "-o", options, "start")
+
+
+def _pg_running(server: postgres.PostgresServer) -> bool:
+    return (server.data_dir / "postmaster.pid").exists()
+
+
+def mirror_targets(source: Registry, dest: Registry, artifacts_ids: tuple[str, str]) -> None:
+    """Bring ``dest``'s targets up to ``source``'s revisions, ending on the same artifacts
+    (publishing the two artifacts alternately): replicas ignore lower revisions than they
+    have seen, so a registry that takes over must not start below them."""
+    for cohort in ("stable", "canary"):
+        try:
+            wanted = source.get_target("ranker", "default", cohort)
+        except NotFound:
+            continue
+        try:
+            revision = dest.get_target("ranker", "default", cohort).revision
+        except NotFound:
+            revision = 0
+        other = next(a for a in artifacts_ids if a != wanted.artifact_id)
+        while revision < wanted.revision:
+            artifact = wanted.artifact_id if (wanted.revision - revision) % 2 == 1 else other
+            dest.publish(
+                "ranker", "default", cohort, artifact, revision, actor="acceptance",
+                reason="registry takes over at the same revisions",
+            )  # fmt: skip
+            revision += 1
+
+
+def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario) -> None:
+    s = scenario
+    env = s.env
+    server = postgres.start_server()
+    s.on_cleanup("PostgreSQL server", lambda: postgres.stop_server(server))
+    url = server.create_database("rollout_acceptance")
+    pg = open_registry(url)
+    s.on_cleanup("PostgreSQL registry", pg.close)
+    for name in (BASELINE, CANDIDATE):
+        register(pg, env.cluster.demo[name])
+    mirror_targets(env.registry, pg, (BASELINE, CANDIDATE))
+
+    # One controller per cluster: the SQLite one goes, a PostgreSQL one takes over; the
+    # cleanup brings the SQLite one back, its registry brought up to what replicas saw.
+    s.when.kill_controller()
+
+    def restore() -> None:
+        if not _pg_running(server):
+            _pg_start(server)
+        handle = get_controller()
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+            wait_for(lambda: get_controller() is None, 30, "PostgreSQL controller gone")
+        mirror_targets(pg, env.registry, (BASELINE, CANDIDATE))
+        s.env = env
+        ray.get(env.controller.reconcile.remote(), timeout=60)
+
+    s.on_cleanup("SQLite controller back", restore)
+    s.env = dataclasses.replace(
+        env, registry=pg, settings=env.settings.model_copy(update={"registry_url": url})
+    )
+    s.when.start_controller()
+
+    s.given.stable_on(BASELINE).steady_traffic(rate=30)
+    s.when.start_rollout(CANDIDATE, plan(gates={"pause_before_steps": [100]}))
+    s.when.wait_for_phase("progressing")
+    ticks = ray.get(get_controller().ping.remote(), timeout=30)["ticks"]
+    _pg_stop(server)
+    s.mark("registry down")
+    # Two ticks end while it is down: at least one ran wholly without the registry.
+    s.when.wait_until(
+        "controller ticked twice without its registry",
+        lambda: ray.get(get_controller().ping.remote(), timeout=30)["ticks"] >= ticks + 2,
+        180,
+    )
+    s.when.wait_for_answers(
+        "serving while the registry is down", lambda r: r.status == 200, after="registry down"
+    )
+    _pg_start(server)
+    s.mark("registry back")
+    # This process's own pool held connections the restart cut: reads fail until replaced.
+    s.when.wait_until("registry answering again", lambda: pg.list_targets("ranker", "default"))
+    s.when.wait_for_phase("paused", timeout=240)  # resumed: steps 20% and 50% done
+    s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
+
+    outage = (s.marks["registry down"] + 1.0, s.marks["registry back"])
+    during = [e for e in s.events() if outage[0] < s.wall_to_traffic(float(e["at"])) < outage[1]]
+    s.check(not during, f"the rollout changed while its registry was down: {during}")
+    errors = s.env.status()["errors"]
+    s.check(any("registry" in e for e in errors), f"no registry error seen: {errors}")
+    s.then.expect_failed_requests(at_most=0).expect_phase("aborted")
+    s.then.expect_cohort_shares_follow_weights(weights=(2000,))
