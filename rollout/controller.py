@@ -215,7 +215,12 @@ class RolloutEngine:
     ) -> dict[str, Any]:
         s = self.settings
         with self._lock:
-            self.registry.get_artifact(s.model, candidate_artifact_id)  # NotFound early
+            artifact = self.registry.get_artifact(s.model, candidate_artifact_id)  # NotFound
+            if artifact.state != "ready":
+                raise InvalidState(
+                    f"{candidate_artifact_id} is {artifact.state}, not ready: approve it first "
+                    "(rollout registry approve ...)"
+                )
             try:
                 baseline = self.registry.get_target(s.model, s.environment, "stable")
             except NotFound:
@@ -228,7 +233,11 @@ class RolloutEngine:
                     f"rollout {self._live.state.rollout_id} of {s.model} is still "
                     f"{self._live.state.phase.value}; abort it or wait for it to finish"
                 )
-            rollout_id = rollout_id or f"{s.model}-{candidate_artifact_id}-{uuid.uuid4().hex[:6]}"
+            if candidate_artifact_id == baseline.artifact_id:
+                raise InvalidState(
+                    f"{candidate_artifact_id} is already the stable target: nothing to roll out"
+                )
+            rollout_id = rollout_id or f"{candidate_artifact_id}-{uuid.uuid4().hex[:6]}"
             state = RolloutState.new(
                 plan,
                 rollout_id=rollout_id,

@@ -1,0 +1,65 @@
+"""What the controller refuses before it touches Serve: a rollout that cannot be right.
+
+Real SQLite registry; the engine is never ticked, so no cluster is needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.errors import InvalidState, NotFound
+from app.registry import open_registry
+from rollout.controller import ControllerSettings, RolloutEngine
+from rollout.plan import RolloutPlan
+from tests.integration.manifests import write_manifest
+
+
+@pytest.fixture
+def engine(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = open_registry(url)
+    for artifact_id in ("ranker-v41", "ranker-v42", "ranker-v43"):
+        ref = write_manifest(tmp_path / artifact_id, artifact_id)
+        registry.register_artifact(ref.uri, ref.sha256)
+    registry.approve_artifact("ranker", "ranker-v41", actor="t")
+    registry.approve_artifact("ranker", "ranker-v42", actor="t")
+    # Nothing listens there: anything that reached Serve would fail loudly.
+    settings = ControllerSettings(registry_url=url, dashboard_url="http://127.0.0.1:9")
+    yield RolloutEngine(settings, registry=registry), registry
+    registry.close()
+
+
+def test_no_stable_target_yet(engine):
+    eng, _ = engine
+    with pytest.raises(InvalidState, match="no stable target"):
+        eng.start_rollout("ranker-v42", RolloutPlan())
+
+
+def test_refusals(engine):
+    eng, registry = engine
+    registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+    with pytest.raises(NotFound):
+        eng.start_rollout("ranker-v99", RolloutPlan())
+    with pytest.raises(InvalidState, match="pending, not ready"):
+        eng.start_rollout("ranker-v43", RolloutPlan())
+    with pytest.raises(InvalidState, match="already the stable target"):
+        eng.start_rollout("ranker-v41", RolloutPlan())
+    assert registry.get_active_rollout("ranker", "default") is None
+
+
+def test_one_rollout_at_a_time(engine):
+    eng, registry = engine
+    registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+    summary = eng.start_rollout("ranker-v42", RolloutPlan())
+    assert summary["phase"] == "pending" and summary["rollout"].startswith("ranker-v42-")
+    record = registry.get_active_rollout("ranker", "default")
+    assert record is not None and record.id == summary["rollout"]
+    with pytest.raises(InvalidState, match="still pending"):
+        eng.start_rollout("ranker-v42", RolloutPlan())
+    # A second controller process (e.g. after a restart) is refused by the registry itself.
+    other = RolloutEngine(eng.settings, registry=registry)
+    with pytest.raises(InvalidState):
+        other.start_rollout("ranker-v42", RolloutPlan())
+    # And it resumes the rollout the first one created.
+    assert other.resume() == summary["rollout"]
