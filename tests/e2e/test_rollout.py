@@ -145,3 +145,46 @@ def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
     assert switched_at - asked < 10, f"{switched_at - asked:.1f}s to stable 100%"
     share = cohort_share(records, switched_at, float("inf"))
     assert share == {"stable": 1.0}
+
+
+def test_operator_cli_against_the_running_controller(
+    rollout_env: RolloutEnv, capsys: pytest.CaptureFixture[str], tmp_path_factory
+) -> None:
+    """The `rollout` commands an operator types, against this cluster's controller."""
+    import json
+
+    import yaml
+
+    from rollout.cli import main
+
+    env = rollout_env
+    env.controller  # noqa: B018 - make sure it runs (the CLI attaches to it)
+    db = ["--db", env.settings.registry_url]
+
+    def rollout(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = rollout("pause", *db)
+    assert code == 5 and "no rollout" in err, (code, out, err)
+
+    run = env.traffic()  # the steps are judged on real traffic
+    plan_file = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({**FAST_PLAN, "gates": {"pause_before_steps": [50]}}))
+    code, out, err = rollout("start", "ranker", CANDIDATE, "--plan", str(plan_file), *db, "--json")
+    assert code == 0, err
+    started = json.loads(out)
+    assert started["candidate"] == CANDIDATE
+    code, out, err = rollout("start", "ranker", CANDIDATE, *db)
+    assert code == 5 and "still" in err, (code, err)
+
+    env.wait_for_phase("paused", timeout=90)
+    code, out, err = rollout("status", *db)
+    assert code == 0 and "paused" in out and "canary 20%" in out, out
+    code, out, err = rollout("abort", "--reason", "cli test", *db, "--json")
+    assert code == 0 and json.loads(out)["queued"] == "abort"
+    env.wait_for_phase("aborted", finished=True, timeout=60)
+    code, out, err = rollout("history", *db)
+    assert code == 0 and started["rollout"] in out and "aborted" in out, out
+    assert not failed(run.stop())
