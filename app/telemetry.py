@@ -30,7 +30,10 @@ ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge
 ROUTER_CANARY_WEIGHT_BP: Final = "ranker_router_canary_weight_bp"  # gauge
 ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coalesced calls
 
-OUTCOMES: Final = ("ok", "error")  # "error": the cohort could not answer (before failover)
+# "error": the cohort could not answer (before failover); "diverted": the weights chose the
+# cohort but the router sent the request elsewhere at once (breaker open, nothing serving),
+# counted without a latency so the judge sees the cohort failing rather than idle.
+OUTCOMES: Final = ("ok", "error", "diverted")
 REJECTION_REASONS: Final = ("invalid_request", "draining", "overloaded", "unavailable")
 
 # Bucket bounds (ms) for latency: fine below 100 ms where the SLO lives, coarse above.

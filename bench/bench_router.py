@@ -29,7 +29,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,16 +45,11 @@ import ray
 
 from app.demo_artifacts import make_demo_artifacts
 from app.features import NUM_FEATURES
+from rollout.local_cluster import free_port
+from rollout.serve_control import ServeControl
 from tests.artifacts import pack_ranker
-from tests.e2e.serve_rest import ServeRest, ray_auth_token
 
 MAX_REQUESTS_PER_PHASE = 20_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def body(n_candidates: int, seed: int) -> bytes:
@@ -217,7 +211,7 @@ def main() -> int:
         _metrics_export_port=free_port(),
         log_to_driver=False,
     )
-    rest = ServeRest(f"http://127.0.0.1:{dash_port}", ray_auth_token())
+    rest = ServeControl(f"http://127.0.0.1:{dash_port}")
     clients: ProcessPoolExecutor | None = None
     try:
         from ray import serve
@@ -251,7 +245,7 @@ def main() -> int:
             ],
         }
         wait_for(lambda: rest.details() is not None, 60, "dashboard up")
-        rest.put(config)
+        rest.apply(config)
         wait_for(
             lambda: all(rest.app_status(a) == "RUNNING" for a in ("routed", "direct")),
             180,

@@ -317,6 +317,10 @@ class Router:
             failover=config.failover,
         )
         cohort = decision.primary
+        if decision.reason in ("breaker_open", "not_serving"):
+            # Meant for a cohort that cannot take it: a failure of that cohort for the judge
+            # (its window must not look empty, "inconclusive", while it fails everything).
+            self._count(decision.bucketed, "diverted")
         try:
             meta, ranking = await self._coalescers[cohort].submit(wire)
         except Exception as exc:
@@ -365,9 +369,12 @@ class Router:
         else:
             self._health[cohort].record_failure(time.monotonic())
 
-    def _observe(self, cohort: str, outcome: str, started: float) -> None:
+    def _count(self, cohort: str, outcome: str) -> None:
         key = (cohort, outcome)
         self._request_counts[key] = self._request_counts.get(key, 0) + 1
+
+    def _observe(self, cohort: str, outcome: str, started: float) -> None:
+        self._count(cohort, outcome)
         tags = {t.COHORT: cohort, t.OUTCOME: outcome}
         self._metrics.latency.observe((time.perf_counter() - started) * 1000.0, tags=tags)
 

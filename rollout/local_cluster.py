@@ -105,3 +105,4 @@ class LocalCluster:
             serve.shutdown()
         finally:
             ray.shutdown()
+            os.environ.pop("RAY_GCS_SERVER_PORT", None)

@@ -157,13 +157,32 @@ class ServeControl:
         details = self.details()
         config = self.declarative_config(details)
         entry = _deployment_entry(config, app, deployment, create=False)
-        if entry is not None and entry.get("user_config") is not None:
-            return copy.deepcopy(entry["user_config"])
-        live = (((details.get("applications") or {}).get(app) or {}).get("deployments") or {}).get(
-            deployment
-        ) or {}
-        user_config = (live.get("deployment_config") or {}).get("user_config")
-        return copy.deepcopy(user_config) if user_config is not None else None
+        return _effective_user_config(details, entry, app, deployment)
+
+    def update_user_configs(
+        self, app: str, changes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]]
+    ) -> bool:
+        """Several deployments' user_configs in one PUT: ``changes[deployment](current)``
+        returns the new whole user_config. False when nothing changed."""
+        details = self.details()
+        current = self.declarative_config(details)
+        wanted = copy.deepcopy(current)
+        for deployment, change in changes.items():
+            entry = _deployment_entry(wanted, app, deployment)
+            assert entry is not None
+            base = _effective_user_config(details, entry, app, deployment) or {}
+            entry["user_config"] = change(base)
+        if wanted == current:
+            return False
+        self.apply(wanted)
+        return True
+
+    def app_status(self, app: str) -> str | None:
+        found = (self.details().get("applications") or {}).get(app)
+        return found["status"] if found else None
+
+    def replicas(self, app: str, deployment: str) -> list[dict[str, Any]]:
+        return list(self.deployment_status(app, deployment).get("replicas") or [])
 
     def wait_applied(
         self,
@@ -211,6 +230,18 @@ class ServeControl:
             raise ServeControlError(
                 f"dashboard refused to {doing} ({response.status_code}): {response.text[:500]}"
             )
+
+
+def _effective_user_config(
+    details: Mapping[str, Any], entry: Mapping[str, Any] | None, app: str, deployment: str
+) -> dict[str, Any] | None:
+    if entry is not None and entry.get("user_config") is not None:
+        return copy.deepcopy(entry["user_config"])
+    live = (((details.get("applications") or {}).get(app) or {}).get("deployments") or {}).get(
+        deployment
+    ) or {}
+    user_config = (live.get("deployment_config") or {}).get("user_config")
+    return copy.deepcopy(user_config) if user_config is not None else None
 
 
 def _deployment_entry(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
+
+from rollout.local_cluster import free_port
 
 _SERVER_USER = "postgres"
 _START_TIMEOUT_S = 60
@@ -52,12 +53,6 @@ def find_bindir() -> Path:
         "/usr/lib/postgresql/*/bin). Install them: "
         "apt-get install -y --no-install-recommends postgresql (scripts/setup.sh does this)."
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

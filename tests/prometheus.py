@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from rollout.local_cluster import free_port
 
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")
 SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "configs/observability/prometheus.yml"
@@ -44,12 +45,6 @@ def find_binary() -> Path:
         f"{PROMETHEUS_BIN} not found. Install Debian's Prometheus server: "
         "apt-get install -y --no-install-recommends prometheus (scripts/test.sh does this)."
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape_config(sd_file: Path, *, scrape_interval_s: float = 1.0) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,18 +36,13 @@ from app.demo_artifacts import make_demo_artifacts
 from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.replica import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
-from tests.e2e.serve_rest import ServeRest, ray_auth_token
+from rollout.local_cluster import LocalCluster
+from rollout.serve_control import ServeControl
 
 APP = "ranker"
 REPORTS_ACTOR = "e2e-reports"
 REPORTS_NAMESPACE = "e2e"
 STABLE_REPLICAS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(
@@ -194,7 +188,7 @@ class Cluster:
     http_url: str
     dashboard_url: str
     metrics_url: str
-    rest: ServeRest
+    rest: ServeControl
     work: Path
     demo: dict[str, PackResult]
     reports: Any  # ActorHandle of ReportCollector
@@ -278,42 +272,28 @@ def app_args(work: Path, demo: dict[str, PackResult]) -> dict[str, Any]:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("e2e")
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
-    http_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
-    os.environ["RAY_GCS_SERVER_PORT"] = str(free_port())
     os.environ[FAULT_INJECTION_ENV] = FAULT_INJECTION_ALLOWED  # inherited by every worker
-    ray.init(
-        address="local",
-        namespace=REPORTS_NAMESPACE,
-        num_cpus=4,  # logical; replicas ask for fractions (RAY_FACTS.md)
-        include_dashboard=True,
-        dashboard_port=dashboard_port,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-        _temp_dir=None,
-        log_to_driver=False,
-    )
-    rest = ServeRest(f"http://127.0.0.1:{dashboard_port}", ray_auth_token())
+    # Free ports for GCS, dashboard, metrics and HTTP; logical CPUs so that replicas asking
+    # for fractions fit on 2 cores (RAY_FACTS.md).
+    local = LocalCluster.start(num_cpus=4, namespace=REPORTS_NAMESPACE)
+    rest = local.serve_control()
     try:
         reports = ReportCollector.options(name=REPORTS_ACTOR, lifetime="detached").remote()
-        config = {
-            "http_options": {"host": "127.0.0.1", "port": http_port},
-            "proxy_location": "HeadOnly",
-            "applications": [
+        wait_for(lambda: rest.details() is not None, 60, "dashboard REST API up")
+        local.deploy(
+            [
                 {
                     "name": APP,
                     "route_prefix": "/",
                     "import_path": "app.main:build_app",
                     "args": app_args(work, demo),
                 }
-            ],
-        }
-        wait_for(lambda: rest.details() is not None, 60, "dashboard REST API up")
-        rest.put(config)
-        wait_for(lambda: rest.app_status(APP) == "RUNNING", 180, "app RUNNING")
+            ]
+        )
         c = Cluster(
-            http_url=f"http://127.0.0.1:{http_port}",
-            dashboard_url=f"http://127.0.0.1:{dashboard_port}",
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            http_url=local.http_url,
+            dashboard_url=local.dashboard_url,
+            metrics_url=local.metrics_url,
             rest=rest,
             work=work,
             demo=demo,
@@ -327,14 +307,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         rest.close()
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            os.environ.pop("RAY_GCS_SERVER_PORT", None)
-            os.environ.pop(FAULT_INJECTION_ENV, None)
+        LocalCluster.stop()
+        os.environ.pop(FAULT_INJECTION_ENV, None)
 
 
 BASELINE_ROUTER = {

@@ -476,7 +476,7 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
 ) -> None:
     cluster = serving
     before = replica_ids(cluster, "stable")
-    good = cluster.rest.user_config(APP, "stable")
+    good = cluster.rest.current_user_config(APP, "stable")
     try:
         with Load(cluster.http_url) as load:
             wait_for(lambda: load.count() >= 20, 60, "traffic on v41")
