@@ -84,6 +84,8 @@ class ServeControl:
         applications = []
         for name, app in (details.get("applications") or {}).items():
             deployed = app.get("deployed_app_config")
+            if deployed is None and app.get("status") == "DELETING":
+                continue  # on its way out: a config without it is what Serve is doing anyway
             if deployed is None:
                 raise ServeControlError(
                     f"application {name!r} was deployed imperatively (serve.run): its config "

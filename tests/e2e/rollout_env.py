@@ -170,6 +170,11 @@ def env(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[RolloutEnv
                 applications=[a for a in config["applications"] if a["name"] != APP]
             )
         )
+        wait_for(
+            lambda: APP not in (control.details().get("applications") or {}),
+            120,
+            f"{APP} deleted",
+        )
         control.close()
         registry.close()
 
