@@ -26,6 +26,7 @@ active rollout's (0 without one).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -842,7 +843,12 @@ class RolloutController:
 
     # -- called by the CLI, the demo and tests
     def ping(self) -> dict[str, Any]:
-        return {"ticks": self._ticks, "repaired": self.repaired, **self.settings.model_dump()}
+        return {
+            "pid": os.getpid(),
+            "ticks": self._ticks,
+            "repaired": self.repaired,
+            **self.settings.model_dump(),
+        }
 
     def start_rollout(
         self, candidate_artifact_id: str, plan: Mapping[str, Any], actor: str = "operator"

@@ -70,8 +70,15 @@ def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: Rol
         held["weights"],
     )
     # Ray restarts a controller that dies on its own (max_restarts): same story.
+    before = ray.get(env.controller.ping.remote(), timeout=60)["pid"]
     ray.kill(get_controller(), no_restart=False)
-    wait_for(lambda: env.status()["phase"] == "paused", 60, "restarted controller paused")
+
+    def restarted_and_paused() -> bool:
+        # Calls may still reach the old process until the kill lands: wait for a new one.
+        pid = ray.get(get_controller().ping.remote(), timeout=30)["pid"]
+        return pid != before and env.status()["phase"] == "paused"
+
+    wait_for(restarted_and_paused, 90, "controller restarted by Ray, paused")
 
     env.command("resume")
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
