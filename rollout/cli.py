@@ -224,23 +224,40 @@ def _cluster_options(func: Any) -> Any:
     return func
 
 
+def _attach(address: str | None) -> str | None:
+    """Attach to the running cluster; its dashboard URL when Ray tells it."""
+    from rollout.controller import connect
+
+    try:
+        return connect(address)
+    except ConnectionError as exc:
+        raise ConfigError(
+            f"no Ray cluster to attach to ({exc}); start one or set --address"
+        ) from exc
+
+
+def _running_controller(address: str | None) -> Any:
+    """The cluster's controller, which must already run (never created here)."""
+    from rollout.controller import get_controller
+
+    _attach(address)
+    handle = get_controller()
+    if handle is None:
+        raise NotFound("no rollout controller is running in this cluster")
+    return handle
+
+
 def _controller(address: str | None, db_url: str | None, dashboard: str | None) -> Any:
     """Attach to the cluster and return its controller, creating it if absent."""
     from app.registry import default_registry_url
     from rollout.controller import (
         ControllerSettings,
         absolute_registry_url,
-        connect,
         ensure_controller,
         get_controller,
     )
 
-    try:
-        cluster_dashboard = connect(address)
-    except ConnectionError as exc:
-        raise ConfigError(
-            f"no Ray cluster to attach to ({exc}); start one or set --address"
-        ) from exc
+    cluster_dashboard = _attach(address)
     existing = get_controller()
     if existing is not None:
         return existing
@@ -347,13 +364,7 @@ def controller_status(
     address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
 ) -> None:
     """Is the controller running, and with which settings."""
-    from rollout.controller import connect, get_controller
-
-    connect(address)
-    handle = get_controller()
-    if handle is None:
-        raise NotFound("no rollout controller is running in this cluster")
-    emit(_call(handle.ping))
+    emit(_call(_running_controller(address).ping))
 
 
 @controller.command("stop")
@@ -364,13 +375,7 @@ def controller_stop(
     """Stop the controller; an active rollout holds where it is until one starts again."""
     import ray
 
-    from rollout.controller import connect, get_controller
-
-    connect(address)
-    handle = get_controller()
-    if handle is None:
-        raise NotFound("no rollout controller is running in this cluster")
-    ray.kill(handle, no_restart=True)
+    ray.kill(_running_controller(address), no_restart=True)
     emit({"stopped": True})
 
 
