@@ -17,6 +17,7 @@ Hierarchy::
     │   ├── DigestMismatch              same artifact id registered with another digest
     │   ├── RevisionConflict            compare-and-set lost; carries the current target
     │   ├── ConsistencyError            same revision observed with a different artifact
+    │   ├── RegistryUnavailable         the database cannot be reached or stays locked: retry
     │   └── SchemaVersionError          database schema newer than this code knows
     └── ConfigError                     invalid configuration or plan (names the field)
 """
@@ -103,6 +104,12 @@ class RevisionConflict(RegistryError):
 
 class ConsistencyError(RegistryError):
     category = "registry.consistency"
+
+
+class RegistryUnavailable(RegistryError):
+    """The database cannot be reached (or stays locked): nothing was decided, try again."""
+
+    category = "registry.unavailable"
 
 
 class SchemaVersionError(RegistryError):

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -306,6 +307,12 @@ def render_status(view: dict[str, Any]) -> str:
             + (f"   gate {view['pending_gate']}" if view.get("pending_gate") else "")
             + (f"   reason: {view['reason']}" if view.get("reason") else "")
         )
+        held = view.get("held")
+        if held:
+            since = datetime.fromtimestamp(held["since"], UTC).strftime("%H:%M:%S")
+            lines.append(
+                f"HELD since {since} UTC (deadlines paused, serving goes on): {held['reason']}"
+            )
     else:
         lines.append("no rollout in progress")
     window = view.get("last_window")

@@ -38,7 +38,13 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.errors import InvalidState, NotFound, RevisionConflict, RolloutSystemError
+from app.errors import (
+    InvalidState,
+    NotFound,
+    RegistryUnavailable,
+    RevisionConflict,
+    RolloutSystemError,
+)
 from app.registry import open_registry
 from app.registry.base import Registry, ReplicaReport, Target
 from rollout import machine
@@ -154,6 +160,10 @@ class RolloutEngine:
         self._observed: dict[str, Target] = {}
         self._conflicted: set[str] = set()
         self._live: _Live | None = None
+        # Set while ticks cannot reach the registry or Serve: when the hold began (a tick's
+        # ``now``) and why. The first tick that gets through moves the deadlines on by it.
+        self._held_since: float | None = None
+        self._held_reason: str | None = None
         self.last_window: WindowStats | None = None
         self.alerts: deque[str] = deque(maxlen=50)
         self.errors: deque[str] = deque(maxlen=50)
@@ -307,18 +317,25 @@ class RolloutEngine:
     # ================================================================== the tick
 
     def tick(self) -> dict[str, Any] | None:
-        """One observe -> decide -> act -> persist step; the summary of the rollout or None."""
+        """One observe -> decide -> act -> persist step; the summary of the rollout or None.
+
+        A tick that cannot reach the registry or Serve changes nothing and holds the rollout:
+        serving goes on as it is, and the held time does not count against its deadlines."""
         with self._lock:
-            self._persist_reports()
+            now = self.clock()
+            try:
+                self._persist_reports()
+            except RegistryUnavailable as exc:
+                self._error(f"persist reports: {exc}")
+                return self._hold(now, f"registry unavailable: {exc}")
             live = self._live
             if live is None or not live.state.is_active:
                 return None
-            now = self.clock()
             try:
                 self._check_targets(live)
             except RolloutSystemError as exc:
                 self._error(f"registry: {exc}")
-                return self.rollout_summary()
+                return self._hold(now, f"registry: {exc}")
             try:
                 self.windows.observe()
             except MetricsUnavailable as exc:
@@ -328,7 +345,8 @@ class RolloutEngine:
             except RolloutSystemError as exc:
                 # Without a view of Serve nothing can be decided safely: hold.
                 self._error(f"observe: {exc}")
-                return self.rollout_summary()
+                return self._hold(now, f"Serve: {exc}")
+            self._end_hold(live, now)
             commands = tuple(self._commands)
             self._commands.clear()
             new_state, actions = machine.advance(
@@ -347,10 +365,39 @@ class RolloutEngine:
                 # next tick replays the same actions (they are declarative and idempotent).
                 self._commands.extendleft(reversed(commands))
                 self._error(f"act: {exc}")
-                return self.rollout_summary()
+                return self._hold(now, f"act: {exc}")
             live.state = new_state
-            self._persist(new_state)
+            try:
+                self._persist(new_state)
+            except RegistryUnavailable as exc:
+                # The actions are done and the state is kept here; the next tick that reaches
+                # the registry writes it (same expected version).
+                self._error(f"persist: {exc}")
+                return self._hold(now, f"registry unavailable: {exc}")
             return self.rollout_summary()
+
+    def _hold(self, now: float, reason: str) -> dict[str, Any] | None:
+        """Note that this tick could not act; the first such tick starts the hold."""
+        live = self._live
+        if live is None or not live.state.is_active:
+            return None if live is None else self.rollout_summary()
+        if self._held_since is None:
+            self._held_since = now
+            self.alerts.append(
+                f"warning: rollout {live.state.rollout_id} held: {reason}; serving goes on"
+            )
+            self._event("held", reason)
+        self._held_reason = reason
+        return self.rollout_summary()
+
+    def _end_hold(self, live: _Live, now: float) -> None:
+        if self._held_since is None:
+            return
+        seconds = now - self._held_since
+        self._held_since = None
+        self._held_reason = None
+        live.state = machine.held(live.state, seconds)
+        self._event("resumed", f"registry and Serve reachable again after {seconds:.1f}s held")
 
     # ---------------------------------------------------------------- observe
 
@@ -627,6 +674,8 @@ class RolloutEngine:
                 continue
             try:
                 self.registry.upsert_replica_report(_registry_report(report, s))
+            except RegistryUnavailable:
+                raise  # the next report would wait out the same timeout: stop here
             except RolloutSystemError as exc:
                 self._error(f"persist report of {replica_id}: {exc}")
                 continue
@@ -657,6 +706,9 @@ class RolloutEngine:
             "failed_checks": st.failed_checks,
             "reason": st.reason,
             "pending_gate": st.pending_gate,
+            "held": None
+            if self._held_since is None
+            else {"since": self._held_since, "reason": self._held_reason},
             "verdicts": [
                 {"step": v.step_index, "outcome": v.outcome.value, "reasons": list(v.reasons)}
                 for v in st.verdicts

@@ -23,6 +23,8 @@ Invariants:
   from that moment on, and never twice (a window must start at or after the end of the last
   judged one). A window under ``min_requests`` is inconclusive: the rollout holds, and only
   the progress deadline bounds holding.
+- Time the controller could not act (registry or Serve out of reach) is not progress time:
+  ``held`` moves the deadlines on by it; serving goes on meanwhile on verified models.
 - Consecutive failed windows reaching ``plan.threshold`` roll back; a passing window resets the
   count and completes the step.
 - Actions are declarative (desired values, not deltas) and ``advance`` is deterministic, so a
@@ -251,6 +253,20 @@ def next_window(state: RolloutState, now: float) -> tuple[float, float] | None:
     if now - start < state.plan.interval_s:
         return None
     return start, now
+
+
+def held(state: RolloutState, seconds: float) -> RolloutState:
+    """``state`` after the controller could not act for ``seconds`` (registry or Serve out of
+    reach): the rollout held, so that time does not count against its progress deadlines.
+    Windows are untouched: serving went on, and what it measured is still comparable."""
+    if seconds <= 0:
+        return state
+    return dataclasses.replace(
+        state,
+        verdicts=list(state.verdicts),
+        phase_entered_at=state.phase_entered_at + seconds,
+        step_entered_at=None if state.step_entered_at is None else state.step_entered_at + seconds,
+    )
 
 
 def _is_fresh(state: RolloutState, window: WindowStats | None) -> bool:

@@ -27,7 +27,13 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from app.errors import InvalidState, NotFound, RegistryError, RevisionConflict
+from app.errors import (
+    InvalidState,
+    NotFound,
+    RegistryError,
+    RegistryUnavailable,
+    RevisionConflict,
+)
 from app.registry._sql import Clock, Row, SqlRegistry, Tx
 from app.registry.base import utc_now
 
@@ -53,9 +59,9 @@ def _map_db_errors() -> Iterator[None]:
     except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
         raise RevisionConflict(f"a concurrent transaction won: {exc}") from exc
     except PoolTimeout as exc:
-        raise RegistryError(f"no registry database connection available: {exc}") from exc
+        raise RegistryUnavailable(f"no registry database connection available: {exc}") from exc
     except psycopg.OperationalError as exc:
-        raise RegistryError(f"registry database unavailable: {exc}") from exc
+        raise RegistryUnavailable(f"registry database unavailable: {exc}") from exc
     except psycopg.Error as exc:
         raise RegistryError(f"registry database error: {exc}") from exc
 

@@ -23,7 +23,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from app.errors import InvalidState, NotFound, RegistryError, RevisionConflict
+from app.errors import (
+    InvalidState,
+    NotFound,
+    RegistryError,
+    RegistryUnavailable,
+    RevisionConflict,
+)
 from app.registry._sql import Clock, Row, SqlRegistry, Tx
 from app.registry.base import utc_now
 
@@ -46,7 +52,7 @@ def _map_db_errors() -> Iterator[None]:
     except sqlite3.OperationalError as exc:
         name = getattr(exc, "sqlite_errorname", "")
         if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
-            raise RegistryError(
+            raise RegistryUnavailable(
                 f"the registry database stayed locked by another writer: {exc}"
             ) from exc
         raise RegistryError(f"registry database error: {exc}") from exc

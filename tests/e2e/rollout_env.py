@@ -159,6 +159,8 @@ def env(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[RolloutEnv
         report_stale_s=10,
     )
     environment = RolloutEnv(cluster, registry, control, settings, cluster.http_url + PREFIX)
+    # Every test finds the controller running, whichever test of the module runs first.
+    ensure_controller(settings)
     try:
         yield environment
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -523,17 +524,28 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.start_controller()
 
     s.given.stable_on(BASELINE).steady_traffic(rate=30)
-    s.when.start_rollout(CANDIDATE, plan(gates={"pause_before_steps": [100]}))
+    # The outage outlasts the progress deadline: a rollout that counted it would roll back.
+    deadline_s = 40
+    s.when.start_rollout(
+        CANDIDATE, plan(gates={"pause_before_steps": [100]}, progress_deadline_s=deadline_s)
+    )
     s.when.wait_for_phase("progressing")
     ticks = ray.get(get_controller().ping.remote(), timeout=30)["ticks"]
     _pg_stop(server)
     s.mark("registry down")
-    # Two ticks end while it is down: at least one ran wholly without the registry.
+    down_at = time.monotonic()
+    # Two ticks end while it is down (at least one ran wholly without the registry), and the
+    # outage lasts longer than the step's progress deadline.
     s.when.wait_until(
-        "controller ticked twice without its registry",
-        lambda: ray.get(get_controller().ping.remote(), timeout=30)["ticks"] >= ticks + 2,
-        180,
+        "controller ticked twice without its registry, past the progress deadline",
+        lambda: (
+            time.monotonic() - down_at > deadline_s + 5
+            and ray.get(get_controller().ping.remote(), timeout=30)["ticks"] >= ticks + 2
+        ),
+        240,
     )
+    held = s.env.status()["held"]
+    s.check(held is not None and "registry" in held["reason"], f"rollout not held: {held}")
     s.when.wait_for_answers(
         "serving while the registry is down", lambda r: r.status == 200, after="registry down"
     )
@@ -545,8 +557,17 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
 
     outage = (s.marks["registry down"] + 1.0, s.marks["registry back"])
-    during = [e for e in s.events() if outage[0] < s.wall_to_traffic(float(e["at"])) < outage[1]]
+    events = s.events()
+    during = [
+        e
+        for e in events
+        if outage[0] < s.wall_to_traffic(float(e["at"])) < outage[1] and e["event"] != "held"
+    ]
     s.check(not during, f"the rollout changed while its registry was down: {during}")
+    s.check(
+        [e["event"] for e in events if e["event"] in ("held", "resumed")] == ["held", "resumed"],
+        f"no held/resumed pair in the rollout's events: {events}",
+    )
     errors = s.env.status()["errors"]
     s.check(any("registry" in e for e in errors), f"no registry error seen: {errors}")
     s.then.expect_failed_requests(at_most=0).expect_phase("aborted")

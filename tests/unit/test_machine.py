@@ -35,6 +35,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
     advance,
+    held,
     next_window,
     refuse_if_active,
 )
@@ -518,6 +519,35 @@ def test_inconclusive_windows_hold_then_the_progress_deadline_rolls_back() -> No
         STABLE_ONLY,
     )
     assert not d.state.is_active
+
+
+def test_time_held_without_registry_or_serve_does_not_count_against_the_deadline() -> None:
+    d = Driver.start()
+    drive_to_step(d, 1)  # step 1 entered at t=85: its deadline would pass at t=385
+    before = d.state
+    # The controller could not act from t=100 to t=400: the rollout held for 300 s.
+    d.state = held(d.state, 300)
+    assert d.state.step_entered_at == before.step_entered_at + 300
+    assert d.state.phase_entered_at == before.phase_entered_at + 300
+    assert d.state.weights_live_at == before.weights_live_at  # serving went on: windows count
+    assert before.step_entered_at == 85  # the original is untouched
+    acts = d.tick(685, canary=ready(V42, 1), router_weights=w(25))
+    d.expect(acts, [], Phase.PROGRESSING, w(25), step=1)
+    # The window measured across the hold is judged as any other.
+    acts = d.tick(686, canary=ready(V42, 1), router_weights=w(25), window=window(90, 686))
+    assert d.state.step_index == 2, d.dump()
+    assert held(d.state, 0) is d.state
+
+
+def test_a_hold_does_not_save_a_rollout_already_past_its_deadline() -> None:
+    d = Driver.start()
+    drive_to_step(d, 1)
+    d.tick(390, canary=ready(V42, 1), router_weights=w(25))  # past 85 + 300
+    assert d.state.phase is Phase.ROLLED_BACK, d.dump()
+    d.state = held(d.state, 1000)
+    acts = d.tick(400, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    assert d.state.phase is Phase.ROLLED_BACK and not d.state.is_active, d.dump()
+    assert any(isinstance(a, Finish) for a in acts), d.dump()
 
 
 def test_failed_checks_below_threshold_hold_and_a_pass_resets_them() -> None:
