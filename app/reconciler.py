@@ -158,6 +158,25 @@ class Snapshot:
     discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
 
 
+def lower_thread_priority(increment: int) -> str:
+    """Make the calling thread yield the CPU to the process's other threads; says what it did.
+
+    Relative to the thread's current niceness: Ray starts workers at niceness 15, and an
+    absolute value below that would *raise* the thread's priority wherever that is allowed
+    (as root). Linux keeps niceness per thread (a thread id is a process id there).
+    SCHED_IDLE was measured too (bench/bench_router.py): no better for the neighbours' p99,
+    and a thread that starves while holding the GIL would stall the replica's requests.
+    """
+    tid = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        wanted = min(19, current + increment)
+        os.setpriority(os.PRIO_PROCESS, tid, wanted)
+        return f"niceness {current} -> {wanted}"
+    except (OSError, AttributeError) as exc:
+        return f"unchanged ({exc})"
+
+
 class Reconciler(Generic[M]):
     def __init__(
         self,
@@ -327,10 +346,8 @@ class Reconciler(Generic[M]):
 
     def _run(self) -> None:
         if self._worker_nice > 0:
-            try:  # Linux: niceness is per thread (the thread id is a process id here)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._worker_nice)
-            except (OSError, AttributeError):
-                log.debug("%s: cannot lower the worker's priority", self._name)
+            lowered = lower_thread_priority(self._worker_nice)
+            log.debug("%s: worker priority: %s", self._name, lowered)
         while True:
             job = self._next_job()
             if job is None:

@@ -5,6 +5,7 @@ Loads are held with events the test releases, never with sleeps.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -22,6 +23,7 @@ from app.reconciler import (
     Reconciler,
     Target,
     is_retryable,
+    lower_thread_priority,
 )
 
 FAST = BackoffPolicy(initial_s=0.01, multiplier=2.0, cap_s=0.05, max_attempts=4)
@@ -377,3 +379,23 @@ def test_after_a_clear_newer_targets_load_and_older_ones_stay_late() -> None:
     assert snap.actual == target(6, "b") and snap.phase is Phase.READY
     assert loader.installed == [target(5, "a"), target(5, "a"), target(6, "b")]
     rec.close()
+
+
+def test_the_worker_priority_is_lowered_relative_to_the_threads_own() -> None:
+    # Ray starts workers at niceness 15: an absolute niceness of 10 would have *raised* the
+    # loader above the request threads wherever that is allowed (as root).
+    seen: dict[str, int | str] = {}
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 15)  # raising niceness is always allowed
+        seen["said"] = lower_thread_priority(10)
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen["after"] == 19, seen
+    assert seen["said"] == "niceness 15 -> 19"
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # only that thread
