@@ -389,7 +389,7 @@ def test_the_worker_priority_is_lowered_relative_to_the_threads_own() -> None:
     def body() -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, 15)  # raising niceness is always allowed
-        seen["said"] = lower_thread_priority(10)
+        seen["said"] = lower_thread_priority(10, idle=False)
         seen["after"] = os.getpriority(os.PRIO_PROCESS, tid)
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
@@ -399,3 +399,18 @@ def test_the_worker_priority_is_lowered_relative_to_the_threads_own() -> None:
     assert seen["after"] == 19, seen
     assert seen["said"] == "niceness 15 -> 19"
     assert os.getpriority(os.PRIO_PROCESS, 0) == before  # only that thread
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_the_worker_runs_at_idle_priority_and_only_the_worker() -> None:
+    seen: dict[str, int | str] = {}
+
+    def body() -> None:
+        seen["said"] = lower_thread_priority(10)
+        seen["policy"] = os.sched_getscheduler(threading.get_native_id())
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == {"said": "SCHED_IDLE", "policy": os.SCHED_IDLE}
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
