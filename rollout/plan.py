@@ -106,13 +106,15 @@ class Gates(BaseModel):
 class CanaryScaling(BaseModel):
     """Canary pool size follows its weight: ``ceil(max_replicas x percent / 100)`` clamped to
     ``[min_replicas, max_replicas]``. ``idle_replicas`` is the pool size once the rollout ends
-    (its target is cleared, so the pool holds no model)."""
+    (its target is cleared, so the pool holds no model). It is at least 1: Serve's declarative
+    config (``DeploymentSchema.num_replicas``: a positive int or "auto") refuses 0, so a plan
+    asking for 0 would leave every rollout stuck in its cleanup."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=2, ge=1)
-    idle_replicas: int = Field(default=1, ge=0)
+    idle_replicas: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _ordered(self) -> CanaryScaling:

@@ -51,7 +51,7 @@ PLAN = RolloutPlan(
     min_requests=100,
     threshold=3,
     progress_deadline_s=300,
-    canary_scaling={"min_replicas": 1, "max_replicas": 4, "idle_replicas": 0},
+    canary_scaling={"min_replicas": 1, "max_replicas": 4, "idle_replicas": 1},
 )
 
 STABLE_ONLY = Weights.stable_only()
@@ -308,7 +308,7 @@ def test_full_rollout_promoted_by_shift() -> None:
     acts = d.tick(265, canary=ready(V42, 4), stable=ready(V42, 3), router_weights=STABLE_ONLY)
     d.expect(
         acts,
-        [ScaleCanary(0), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.SUCCEEDED, V42)],
+        [ScaleCanary(1), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.SUCCEEDED, V42)],
         Phase.SUCCEEDED,
         STABLE_ONLY,
     )
@@ -344,7 +344,7 @@ def test_full_rollout_promoted_in_place_when_the_budget_allows() -> None:
     acts = d.tick(t + 85, stable=ready(V42, 3), router_weights=STABLE_ONLY)
     d.expect(
         acts,
-        [ScaleCanary(0), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.SUCCEEDED)],
+        [ScaleCanary(1), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.SUCCEEDED)],
         Phase.SUCCEEDED,
         STABLE_ONLY,
     )
@@ -510,7 +510,6 @@ def test_inconclusive_windows_hold_then_the_progress_deadline_rolls_back() -> No
     d.expect(
         acts,
         [
-            ScaleCanary(0),
             SetCanaryTarget(None),
             Audit("finished"),
             FinishOf(Phase.ROLLED_BACK, "progress deadline"),
@@ -617,7 +616,7 @@ def test_failed_checks_at_threshold_roll_back_weights_first() -> None:
     acts = d.tick(start + 65, canary=ready(V42, 2), router_weights=STABLE_ONLY)
     d.expect(
         acts,
-        [ScaleCanary(0), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.ROLLED_BACK)],
+        [ScaleCanary(1), SetCanaryTarget(None), Audit("finished"), FinishOf(Phase.ROLLED_BACK)],
         Phase.ROLLED_BACK,
         STABLE_ONLY,
     )
@@ -696,7 +695,6 @@ def test_candidate_load_failure_while_preparing_fails_the_rollout() -> None:
             weights(0),
             Audit("failed", "dry_run: NaN in output"),
             AlertOf("critical", "failed to load on canary replica r0"),
-            ScaleCanary(0),
             SetCanaryTarget(None),
             Audit("finished"),
             FinishOf(Phase.FAILED, "dry_run"),
@@ -756,7 +754,7 @@ def test_abort_mid_step_moves_weights_first() -> None:
     d.expect(
         acts,
         [
-            ScaleCanary(0),
+            ScaleCanary(1),
             SetCanaryTarget(None),
             Audit("finished"),
             FinishOf(Phase.ABORTED, "wrong artifact"),
