@@ -69,7 +69,7 @@ from rollout.machine import (
 )
 from rollout.metrics import MetricsUnavailable, PromQLSource, RayScrapeSource, SnapshotWindows
 from rollout.plan import BASIS_POINTS, RolloutPlan
-from rollout.serve_control import ServeControl
+from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.state import RolloutState, Weights
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class RolloutEngine:
                 self._check_targets(live)
             except RolloutSystemError as exc:
                 self._error(f"registry: {exc}")
-                return self._hold(now, f"registry: {exc}")
+                return self._hold(now, f"registry: {exc}", exc)
             try:
                 self.windows.observe()
             except MetricsUnavailable as exc:
@@ -345,7 +345,7 @@ class RolloutEngine:
             except RolloutSystemError as exc:
                 # Without a view of Serve nothing can be decided safely: hold.
                 self._error(f"observe: {exc}")
-                return self._hold(now, f"Serve: {exc}")
+                return self._hold(now, f"Serve: {exc}", exc)
             self._end_hold(live, now)
             commands = tuple(self._commands)
             self._commands.clear()
@@ -365,7 +365,7 @@ class RolloutEngine:
                 # next tick replays the same actions (they are declarative and idempotent).
                 self._commands.extendleft(reversed(commands))
                 self._error(f"act: {exc}")
-                return self._hold(now, f"act: {exc}")
+                return self._hold(now, f"act: {exc}", exc)
             live.state = new_state
             try:
                 self._persist(new_state)
@@ -376,11 +376,19 @@ class RolloutEngine:
                 return self._hold(now, f"registry unavailable: {exc}")
             return self.rollout_summary()
 
-    def _hold(self, now: float, reason: str) -> dict[str, Any] | None:
-        """Note that this tick could not act; the first such tick starts the hold."""
+    def _hold(
+        self, now: float, reason: str, error: Exception | None = None
+    ) -> dict[str, Any] | None:
+        """Note that this tick could not act; the first such tick starts the hold.
+
+        Only when the registry or Serve is out of reach (``error`` None or an unavailability):
+        a refusal (a config Serve rejects, a registry inconsistency) is no outage, and the
+        deadlines keep counting, so a rollout that cannot proceed still ends."""
         live = self._live
         if live is None or not live.state.is_active:
             return None if live is None else self.rollout_summary()
+        if error is not None and not isinstance(error, RegistryUnavailable | ServeUnreachable):
+            return self.rollout_summary()
         if self._held_since is None:
             self._held_since = now
             self.alerts.append(

@@ -38,6 +38,12 @@ class ServeControlError(RolloutSystemError):
     category = "serve.control"
 
 
+class ServeUnreachable(ServeControlError):
+    """The dashboard did not answer, or answered that it cannot now (5xx): try again."""
+
+    category = "serve.unavailable"
+
+
 def resolve_auth_token() -> str | None:
     token = os.environ.get("RAY_AUTH_TOKEN")
     if token:
@@ -74,7 +80,7 @@ class ServeControl:
         try:
             response = self._client.get(APPLICATIONS_PATH)
         except httpx.HTTPError as exc:
-            raise ServeControlError(f"dashboard {self.dashboard_url} unreachable: {exc}") from exc
+            raise ServeUnreachable(f"dashboard {self.dashboard_url} unreachable: {exc}") from exc
         self._raise_for_status(response, "read the Serve config")
         return response.json()
 
@@ -118,7 +124,7 @@ class ServeControl:
         try:
             response = self._client.put(APPLICATIONS_PATH, json=config)
         except httpx.HTTPError as exc:
-            raise ServeControlError(f"dashboard {self.dashboard_url} unreachable: {exc}") from exc
+            raise ServeUnreachable(f"dashboard {self.dashboard_url} unreachable: {exc}") from exc
         self._raise_for_status(response, "apply the Serve config")
 
     def update(self, mutate: Callable[[dict[str, Any]], None]) -> bool:
@@ -227,6 +233,10 @@ class ServeControl:
             raise ServeControlError(
                 f"dashboard refused to {doing} (401): Ray token auth is on; set RAY_AUTH_TOKEN or "
                 "RAY_AUTH_TOKEN_PATH, or run where ~/.ray/auth_token is the cluster's token"
+            )
+        if response.status_code >= 500:
+            raise ServeUnreachable(
+                f"dashboard could not {doing} ({response.status_code}): {response.text[:500]}"
             )
         if response.status_code >= 400:
             raise ServeControlError(

@@ -11,7 +11,9 @@ import pytest
 from app.errors import InvalidState, NotFound
 from app.registry import open_registry
 from rollout.controller import ControllerSettings, RolloutEngine
+from rollout.local_cluster import free_port
 from rollout.plan import RolloutPlan
+from tests.dashboard_stub import answering_dashboard
 from tests.integration.manifests import write_manifest
 
 
@@ -63,3 +65,72 @@ def test_one_rollout_at_a_time(engine):
         other.start_rollout("ranker-v42", RolloutPlan())
     # And it resumes the rollout the first one created.
     assert other.resume() == summary["rollout"]
+
+
+def test_an_outage_holds_the_rollout_and_its_deadlines(tmp_path: Path):
+    """Serve out of reach (5xx) holds the rollout; the first tick that gets through moves its
+    deadlines on by the time held. Real SQLite registry, real HTTP to a stand-in dashboard."""
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = open_registry(url)
+    for artifact_id in ("ranker-v41", "ranker-v42"):
+        ref = write_manifest(tmp_path / artifact_id, artifact_id)
+        registry.register_artifact(ref.uri, ref.sha256)
+        registry.approve_artifact("ranker", artifact_id, actor="t")
+    registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+    clock = [1000.0]
+    with answering_dashboard() as (dashboard_url, answers):
+        settings = ControllerSettings(
+            registry_url=url,
+            dashboard_url=dashboard_url,
+            metrics_endpoints=(
+                f"http://127.0.0.1:{free_port()}/metrics",
+            ),  # nothing there: no window
+        )
+        engine = RolloutEngine(settings, registry=registry, clock=lambda: clock[0])
+        engine.start_rollout("ranker-v42", RolloutPlan())
+        entered = engine._live.state.phase_entered_at
+
+        answers.append(503)
+        summary = engine.tick()
+        assert summary["held"]["since"] == 1000.0
+        assert "Serve" in summary["held"]["reason"] and "503" in summary["held"]["reason"]
+        assert any(a.startswith("warning: rollout ") and "held" in a for a in engine.alerts)
+
+        clock[0] = 1100.0
+        answers.append(503)
+        assert engine.tick()["held"]["since"] == 1000.0  # the hold began at the first tick
+        assert engine._live.state.phase_entered_at == entered
+
+        # Serve answers again (with no application: the actions then fail, unreachable).
+        clock[0] = 1250.0
+        answers.append((200, {"applications": {}}))
+        engine.tick()
+        assert engine._live.state.phase_entered_at == entered + 250.0
+        events = [e["event"] for e in engine._live.events]
+        assert events[:3] == ["created", "held", "resumed"], events
+        # Its first action found Serve gone again: a new hold, from this tick.
+        assert events[-1] == "held" and engine.tick()["held"]["since"] == 1250.0
+    registry.close()
+
+
+def test_a_refusal_alone_does_not_hold(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = open_registry(url)
+    for artifact_id in ("ranker-v41", "ranker-v42"):
+        ref = write_manifest(tmp_path / artifact_id, artifact_id)
+        registry.register_artifact(ref.uri, ref.sha256)
+        registry.approve_artifact("ranker", artifact_id, actor="t")
+    registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+    with answering_dashboard() as (dashboard_url, answers):
+        settings = ControllerSettings(
+            registry_url=url,
+            dashboard_url=dashboard_url,
+            metrics_endpoints=(f"http://127.0.0.1:{free_port()}/metrics",),
+        )
+        engine = RolloutEngine(settings, registry=registry)
+        engine.start_rollout("ranker-v42", RolloutPlan())
+        answers.append(401)
+        summary = engine.tick()
+        assert summary["held"] is None
+        assert any("(401)" in e for e in engine.errors)
+    registry.close()
