@@ -44,7 +44,7 @@ from app.errors import ArtifactRejected, ConfigError
 from app.features import FEATURE_SCHEMA, RankRequest
 from app.generations import Generation, GenerationHolder, NotReady
 from app.loader import LoadedModel, default_device, load_verified
-from app.memory import MemoryBudget
+from app.memory import MemoryBudget, device_capacity
 from app.reconciler import (
     BackoffPolicy,
     ErrorInfo,
@@ -194,7 +194,7 @@ class InstanceReport(BaseModel):
     last_error: dict[str, Any] | None
     discarded_revisions: list[int]
     timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
-    capacity: dict[str, Any]  # max_batch_size, device
+    capacity: dict[str, Any]  # max_batch_size, device, memory (see _memory_report)
     heartbeat: float  # wall clock (time.time()) of the report
     seq: int  # increases with every report of this replica
     # The refused or partly ignored current user_config, if any (category "config", field).
@@ -605,12 +605,32 @@ class RankerReplica:
             capacity={
                 "max_batch_size": cfg.batching.max_batch_size if cfg else None,
                 "device": str(self._device),
+                "memory": self._memory_report(current, cfg),
             },
             heartbeat=time.time(),
             seq=self._reporter.next_seq(),
             config_error=_error_dict(config_error),
             faults=self._faults.model_dump() if self._faults is not None else None,
         )
+
+    def _memory_report(
+        self, current: Generation | None, cfg: ReplicaConfig | None
+    ) -> dict[str, int | None]:
+        """What the controller needs to tell whether a candidate fits beside the resident
+        model here (an in-place promotion): what this replica holds, what it could hold, and
+        what loading the model it serves took alone (its load's estimate, margin included)."""
+        model = current.model if current is not None else None
+        resident = int(getattr(model, "param_bytes", 0)) if model is not None else 0
+        budget = cfg.memory.budget() if cfg is not None else MemoryBudget()
+        capacity = budget.capacity_bytes
+        if capacity is None:
+            capacity = device_capacity(self._device, resident)
+        estimate = getattr(model, "memory", None)
+        return {
+            "resident_bytes": resident,
+            "capacity_bytes": capacity,
+            "load_peak_bytes": None if estimate is None else estimate.single_buffer_peak,
+        }
 
     def _installed(self, candidate: Candidate) -> None:
         self._timings = dict(candidate.timings)

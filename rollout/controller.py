@@ -432,8 +432,15 @@ class RolloutEngine:
             stable=stable,
             router_weights=_router_weights(deployments.get(s.router_deployment)),
             window=window,
-            in_place_fits=None,
+            in_place_fits=in_place_fits(
+                [self._reports_of(r.replica_id) for r in canary.replicas],
+                [self._reports_of(r.replica_id) for r in stable.replicas],
+                state.candidate_artifact_id,
+            ),
         )
+
+    def _reports_of(self, replica_id: str) -> Mapping[str, Any]:
+        return self.reports().get(replica_id) or {}
 
     def _pool(self, deployment: Mapping[str, Any] | None, cohort: str, now: float) -> PoolView:
         if not deployment:
@@ -798,6 +805,33 @@ def _router_weights(deployment: Mapping[str, Any] | None) -> Weights | None:
         return None
     canary_bp = int(config.get("canary_bp", 0))
     return Weights(BASIS_POINTS - canary_bp, canary_bp)
+
+
+def in_place_fits(
+    canary: list[Mapping[str, Any]], stable: list[Mapping[str, Any]], candidate: str
+) -> bool | None:
+    """Whether every stable replica can load ``candidate`` beside the model it serves, from
+    the replicas' own reports: what loading the candidate alone took on a canary replica (its
+    load's estimate: weights, load temporaries, warm-up, margin) plus each stable replica's
+    resident bytes, within that replica's capacity. None when a report lacks a figure (the
+    machine then promotes by shift); the stable replicas re-check at load time all the same.
+    """
+    peaks = [
+        ((r.get("capacity") or {}).get("memory") or {}).get("load_peak_bytes")
+        for r in canary
+        if r.get("actual_artifact") == candidate
+    ]
+    if not peaks or None in peaks or not stable:
+        return None
+    needed = max(int(p) for p in peaks)
+    for report in stable:
+        memory = (report.get("capacity") or {}).get("memory") or {}
+        resident, capacity = memory.get("resident_bytes"), memory.get("capacity_bytes")
+        if resident is None or capacity is None:
+            return None
+        if int(resident) + needed > int(capacity):
+            return False
+    return True
 
 
 def _describe_error(error: Any) -> str | None:

@@ -23,13 +23,23 @@ from tests.e2e.rollout_env import (
 pytestmark = pytest.mark.e2e
 
 
-def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv) -> None:
+@pytest.mark.parametrize(
+    "promotion",
+    [
+        "shift",
+        # Stable swaps in place while it still carries half the traffic: the controller must
+        # see, from the replicas' reports, that the candidate fits beside the resident model.
+        "in_place",
+    ],
+)
+def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv, promotion: str) -> None:
     env = rollout_env
     stable_ids = env.replica_ids("stable")
     run = env.traffic()
     wait_for(lambda: len(run.records) >= 20, 60, "traffic flowing")
     started = run.now_s()
-    env.start(CANDIDATE)
+    steps = FAST_PLAN["steps"] if promotion == "shift" else [20, 50]
+    env.start(CANDIDATE, {**FAST_PLAN, "steps": steps, "promotion": promotion})
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
     records = run.stop()
 
@@ -49,6 +59,8 @@ def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv) -> None:
     assert "finished" in events
     record = env.registry.list_rollouts("ranker", "default", limit=1)[0]
     assert record.phase == "succeeded" and not record.active
+    said = [e["message"] for e in record.state["events"] if e["event"] == "promoting"]
+    assert said == [f"promoting {CANDIDATE} by {promotion}"], record.state["events"]
 
 
 def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: RolloutEnv) -> None:

@@ -213,3 +213,20 @@ def test_faults_take_effect_where_the_environment_allows_them(
     # Faults off again: no plan, and nothing reported.
     serving.reconfigure(config(tmp_path, target=target_of(serving)))
     assert serving.plan_fault() == NO_FAULT
+
+
+def test_the_report_carries_the_memory_figures_of_an_in_place_promotion(
+    replica: RankerReplica, demo, tmp_path: Path
+) -> None:
+    idle = replica.report().capacity["memory"]
+    assert idle["resident_bytes"] == 0 and idle["load_peak_bytes"] is None
+    capacity = 1 << 30
+    cfg = config(
+        tmp_path, target=target(demo["ranker-v42"], 5), memory={"capacity_bytes": capacity}
+    )
+    assert replica.reconfigure(cfg)
+    memory = replica.report().capacity["memory"]
+    model = replica._holder.current.model  # type: ignore[union-attr]
+    assert memory["resident_bytes"] == model.param_bytes > 0
+    assert memory["capacity_bytes"] == capacity  # the configured budget wins over the device's
+    assert memory["load_peak_bytes"] == model.memory.single_buffer_peak > model.param_bytes
