@@ -456,31 +456,30 @@ def main() -> int:
                 "ratio": round(statistics.median(throughput), 2),
                 "goal": ">= 0.8x",
             },
-            {
-                "measurement": "p99 while the canary loads a candidate vs around it",
-                "value": round(p99(pooled["preparing"][0]), 1),
-                "baseline": round(p99(pooled["preparing"][1]), 1),
-                "unit": unit,
-                "ratio": round(ratios["preparing"], 2),
-                "goal": "<= 1.25x",
-            },
-            {
-                "measurement": f"p99 while {args.stable_replicas} stable replicas swap in "
-                "place vs around it",
-                "value": round(p99(pooled["loading"][0]), 1),
-                "baseline": round(p99(pooled["loading"][1]), 1),
-                "unit": unit,
-                "ratio": round(ratios["loading"], 2),
-                "goal": "<= 1.25x",
-            },
-            {
-                "measurement": "p99 during a config-only change vs around it (control)",
-                "value": round(p99(pooled["control"][0]), 1),
-                "baseline": round(p99(pooled["control"][1]), 1),
-                "unit": unit,
-                "ratio": round(ratios["control"], 2),
-                "goal": "",
-            },
+            *(
+                {
+                    "measurement": measurement,
+                    "value": round(p99(pooled[name][0]), 1),
+                    "baseline": round(p99(pooled[name][1]), 1),
+                    "unit": unit,
+                    "ratio": round(ratios[name], 2),
+                    "goal": goal,
+                }
+                for name, measurement, goal in (
+                    (
+                        "preparing",
+                        "p99 while the canary loads a candidate vs around it",
+                        "<= 1.25x",
+                    ),
+                    (
+                        "loading",
+                        f"p99 while {args.stable_replicas} stable replicas swap in place "
+                        "vs around it",
+                        "<= 1.25x",
+                    ),
+                    ("control", "p99 during a config-only change vs around it (control)", ""),
+                )
+            ),
         ]
         print(
             f"{args.rounds} rounds   non-200: {errors}   "

@@ -67,9 +67,9 @@ def test_one_rollout_at_a_time(engine):
     assert other.resume() == summary["rollout"]
 
 
-def test_an_outage_holds_the_rollout_and_its_deadlines(tmp_path: Path):
-    """Serve out of reach (5xx) holds the rollout; the first tick that gets through moves its
-    deadlines on by the time held. Real SQLite registry, real HTTP to a stand-in dashboard."""
+@pytest.fixture
+def published(tmp_path: Path):
+    """(URL, registry) with v41 the stable target and v42 approved."""
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     registry = open_registry(url)
     for artifact_id in ("ranker-v41", "ranker-v42"):
@@ -77,6 +77,14 @@ def test_an_outage_holds_the_rollout_and_its_deadlines(tmp_path: Path):
         registry.register_artifact(ref.uri, ref.sha256)
         registry.approve_artifact("ranker", artifact_id, actor="t")
     registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+    yield url, registry
+    registry.close()
+
+
+def test_an_outage_holds_the_rollout_and_its_deadlines(published):
+    """Serve out of reach (5xx) holds the rollout; the first tick that gets through moves its
+    deadlines on by the time held. Real SQLite registry, real HTTP to a stand-in dashboard."""
+    url, registry = published
     clock = [1000.0]
     with answering_dashboard() as (dashboard_url, answers):
         settings = ControllerSettings(
@@ -110,17 +118,10 @@ def test_an_outage_holds_the_rollout_and_its_deadlines(tmp_path: Path):
         assert events[:3] == ["created", "held", "resumed"], events
         # Its first action found Serve gone again: a new hold, from this tick.
         assert events[-1] == "held" and engine.tick()["held"]["since"] == 1250.0
-    registry.close()
 
 
-def test_a_refusal_alone_does_not_hold(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    registry = open_registry(url)
-    for artifact_id in ("ranker-v41", "ranker-v42"):
-        ref = write_manifest(tmp_path / artifact_id, artifact_id)
-        registry.register_artifact(ref.uri, ref.sha256)
-        registry.approve_artifact("ranker", artifact_id, actor="t")
-    registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
+def test_a_refusal_alone_does_not_hold(published):
+    url, registry = published
     with answering_dashboard() as (dashboard_url, answers):
         settings = ControllerSettings(
             registry_url=url,
@@ -133,4 +134,3 @@ def test_a_refusal_alone_does_not_hold(tmp_path: Path):
         summary = engine.tick()
         assert summary["held"] is None
         assert any("(401)" in e for e in engine.errors)
-    registry.close()
