@@ -162,10 +162,10 @@ def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
     """Make the calling thread yield the CPU to everything else; says what it did.
 
     ``idle``: Linux's SCHED_IDLE where allowed (it always is for lowering): any normal thread
-    that wakes preempts it at once. bench/bench_router.py measured p99 while a canary loaded
-    a 34 MB candidate beside the serving replicas at 1.0-2.4x steady with it and 1.3-3.8x with
-    niceness alone. It is not strictly idle-only (CFS still gives it a sliver), so a loader
-    holding the GIL in a serving replica is not starved for more than a few time slices.
+    that wakes preempts it at once. bench/bench_router.py, pooled p99 while a canary loaded a
+    34 MB candidate beside the serving replicas vs around it: 1.7x and 2.1x with it, 2.9x with
+    niceness 19 (2-core machine, noisy). CFS gives SCHED_IDLE threads a minimal weight, not
+    none, so a loader holding the GIL in a serving replica still gets the CPU to release it.
 
     Otherwise niceness, relative to the thread's own: Ray starts workers at 15, and an absolute
     value below that would *raise* the thread's priority wherever that is allowed (as root).
