@@ -149,6 +149,8 @@ def traffic(kind: str, url: str, payloads: list[bytes], seconds: float, load: fl
 
 def summarize(latencies: list[float], elapsed: float) -> dict[str, float]:
     ms = sorted(x * 1000 for x in latencies)
+    if not ms:  # e.g. a window that filled its whole phase: no reference around it
+        return {"rps": 0.0, "p50": float("nan"), "p99": float("nan"), "n": 0}
     q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
     return {"rps": len(ms) / elapsed, "p50": q[49], "p99": q[98], "n": len(ms)}
 
@@ -333,7 +335,9 @@ def main() -> int:
                 phase = clients.submit(
                     traffic, "open", routes["router"], payloads, 3 * args.seconds, rate
                 )
-                time.sleep(args.seconds / 4)  # let the traffic settle before the change
+                # Let the traffic settle, then keep a reference of at least a second before the
+                # change (requests in the phase's first second are left out as warm-up).
+                time.sleep(max(args.seconds / 4, 2.5))
                 start = time.perf_counter()
                 rest.update_user_configs("routed", {deployment: change})
                 report: dict[str, Any] = {}
