@@ -19,8 +19,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +34,7 @@ PLAN: dict[str, Any] = {
     "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
 }  # fmt: skip
 TICK_S = 0.5
-
-
-def wait(predicate: Callable[[], Any], timeout: float, desc: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(desc)
-        time.sleep(0.05)
+POLL_S = 0.05  # how often the bench looks: small next to the times it measures
 
 
 def stable_only_since(records: list[Any], after: float, tail: int = 20) -> float | None:
@@ -68,7 +56,7 @@ def main() -> None:
     # this process by the local cluster).
     os.environ["ROLLOUT_FAULT_INJECTION"] = "allow"
 
-    from rollout.local_stack import APP, CANDIDATE, LocalStack
+    from rollout.local_stack import APP, CANDIDATE, LocalStack, wait_until
     from rollout.traffic import TrafficRun, TrafficSpec
 
     failed = total = 0
@@ -85,17 +73,23 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in ("operator", "automatic"):
                     stack.call("start_rollout", CANDIDATE, PLAN, "bench")
-                    wait(lambda: stack.call("status").get("phase") == "paused", 120, "paused")
-                    wait(
+                    wait_until(
+                        lambda: stack.call("status").get("phase") == "paused", 120, "paused", POLL_S
+                    )
+                    wait_until(
                         lambda: any(r.cohort == "canary" for r in run.records[-20:]),
                         30,
                         "canary answering",
+                        POLL_S,
                     )
                     if mode == "operator":
                         asked = run.now_s()
                         stack.call("command", "rollback", "bench")
-                        done = wait(
-                            lambda a=asked: stable_only_since(run.records, a), 60, "stable only"
+                        done = wait_until(
+                            lambda a=asked: stable_only_since(run.records, a),
+                            60,
+                            "stable only",
+                            POLL_S,
                         )
                         operator_s.append(done - asked)
                     else:
@@ -103,10 +97,11 @@ def main() -> None:
                         control.update_deployment(
                             APP, "canary", user_config={**canary, "faults": {"error_rate": 1.0}}
                         )
-                        seen = wait(
+                        seen = wait_until(
                             lambda: next((r.start_s for r in run.records if r.failover), None),
                             30,
                             "fault seen by a client",
+                            POLL_S,
                         )
 
                         # Failover already answers every request from stable, so clients
@@ -123,13 +118,15 @@ def main() -> None:
                                 None,
                             )
 
-                        done = wait(withdrawn, 90, "automatic rollback")
+                        done = wait_until(withdrawn, 90, "automatic rollback", POLL_S)
                         automatic_s.append(done - seen)
                         canary = control.current_user_config(APP, "canary") or {}
                         canary.pop("faults", None)
                         control.update_deployment(APP, "canary", user_config=canary)
                     try:
-                        wait(lambda: stack.call("status").get("finished"), 60, "finished")
+                        wait_until(
+                            lambda: stack.call("status").get("finished"), 60, "finished", POLL_S
+                        )
                     except TimeoutError:
                         view = stack.call("status")
                         raise TimeoutError(

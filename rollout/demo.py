@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from rollout.local_stack import BASELINE, CANDIDATE, LocalStack
+from rollout.local_stack import BASELINE, CANDIDATE, LocalStack, wait_until
 from rollout.traffic import (
     RequestRecord,
     TrafficRun,
@@ -103,17 +103,6 @@ def _echo(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, desc: str, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {desc}")
-        time.sleep(every)
-
-
 def step_shares(
     records: list[RequestRecord], weights: list[tuple[float, float]], settle_s: float = 1.0
 ) -> list[dict[str, Any]]:
@@ -152,7 +141,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
                 max_seconds=170,
             )
         ).start()  # fmt: skip
-        _wait(lambda: len(run.records) >= 20, 60, "first answers")
+        wait_until(lambda: len(run.records) >= 20, 60, "first answers")
         timeline = Timeline(clock=run.now_s)
         timeline.observe({"weights": {"canary_bp": 0}, "phase": f"stable {BASELINE}"})
 
@@ -183,7 +172,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
             verdicts_shown = len(verdicts)
             return bool(view.get("finished"))
 
-        _wait(progress, 150, "the rollout to finish", every=0.5)
+        wait_until(progress, 150, "the rollout to finish", every=0.5)
         final = status()
         final_phase = final.get("phase")
         _echo(f"== rollout finished: {final_phase} ({final.get('reason')})")
@@ -197,7 +186,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
             recent = [r for r in run.records if r.start_s >= run.now_s() - 1.5 and r.artifact_id]
             return len(recent) >= 10 and all(r.artifact_id == BASELINE for r in recent)
 
-        _wait(back_on_baseline, 60, f"every answer coming from {BASELINE}")
+        wait_until(back_on_baseline, 60, f"every answer coming from {BASELINE}")
         rollback_s = run.now_s() - rollback_at
         timeline.mark(f"stable {BASELINE} again")
         _echo(f"   all traffic on {BASELINE} (revision {target['revision']}) "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,19 @@ from app.registry import Registry, Target
 BASELINE = "ranker-v41"
 CANDIDATE = "ranker-v42"
 APP = "ranker"
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, desc: str, every: float = 0.25) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned); TimeoutError naming
+    ``desc`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {desc}")
+        time.sleep(every)
 
 
 def target_config(target: Target) -> dict[str, Any]:
