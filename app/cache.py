@@ -34,6 +34,7 @@ from typing import Final, Literal
 
 from app.artifact_store import ArtifactSource
 from app.errors import ArtifactRejected
+from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
@@ -42,12 +43,14 @@ from app.manifest import (
     Manifest,
     is_sha256_hex,
     parse_manifest,
-    sha256_hex,
 )
 from app.signing import load_public_key, verify_manifest_signature
 
 GiB: Final = 1 << 30
 CHUNK_BYTES: Final = 8 << 20
+# Digests of bytes already in memory are taken in pieces this large, a pacing point between
+# each (~2 ms of SHA-256 here): one call over a whole file would be one long burst.
+HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
 
 
@@ -78,11 +81,11 @@ class VerifiedArtifact:
         self.manifest.file(rel)  # KeyError for a path the manifest does not list
         return self.path / rel
 
-    def read_verified(self, rel: str) -> bytes:
+    def read_verified(self, rel: str, pacer: LoadPacer | None = None) -> bytes:
         """Read a listed file and check size and digest of exactly the bytes returned.
 
         Loaders deserialize from these bytes, so what is loaded is what was verified even if
-        the cached copy was changed after the fetch.
+        the cached copy was changed after the fetch. ``pacer``: see app.load_pacing.
         """
         try:
             entry = self.manifest.file(rel)
@@ -107,7 +110,12 @@ class VerifiedArtifact:
                 f"cached {rel!r} is {len(data)} bytes, manifest says {entry.bytes}",
                 artifact_id=self.manifest.artifact_id,
             )
-        digest = sha256_hex(data)
+        hasher = hashlib.sha256()
+        view = memoryview(data)
+        for start in range(0, len(view), HASH_PIECE_BYTES):
+            hasher.update(view[start : start + HASH_PIECE_BYTES])
+            checkpoint(pacer)
+        digest = hasher.hexdigest()
         if digest != entry.sha256:
             raise ArtifactRejected(
                 "digest",
@@ -184,25 +192,26 @@ class ArtifactCache:
         manifest_sha256: str,
         *,
         recheck: Literal["sizes", "digests"] = "sizes",
+        pacer: LoadPacer | None = None,
     ) -> VerifiedArtifact:
         """Return the verified entry for ``manifest_sha256``, fetching it if needed.
 
         ``recheck`` says how a hit is re-checked: file sizes (cheap; loaders re-hash what they
         read anyway) or full digests (``rollout verify``). A corrupted hit is set aside and
-        fetched again.
+        fetched again. ``pacer`` paces the hashing of a background load (app.load_pacing).
         """
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
-        hit = self._open_entry(digest, recheck)
+        hit = self._open_entry(digest, recheck, pacer)
         if hit is not None:
             return hit
         with self._digest_lock(digest):
             # Another fetcher may have published while we waited for the lock.
-            hit = self._open_entry(digest, recheck)
+            hit = self._open_entry(digest, recheck, pacer)
             if hit is not None:
                 return hit
-            return self._download(manifest_uri, digest)
+            return self._download(manifest_uri, digest, pacer)
 
     def lease(self, manifest_sha256: str) -> Lease:
         """Pin an entry (present or about to be fetched) against eviction until released."""
@@ -293,7 +302,9 @@ class ArtifactCache:
             os.rename(entry, target / "entry")
         shutil.rmtree(target, ignore_errors=True)
 
-    def _open_entry(self, digest: str, recheck: str) -> VerifiedArtifact | None:
+    def _open_entry(
+        self, digest: str, recheck: str, pacer: LoadPacer | None = None
+    ) -> VerifiedArtifact | None:
         entry = self.artifacts_dir / digest
         if not (entry / COMPLETE_MARKER_NAME).is_file():
             return None
@@ -306,7 +317,7 @@ class ArtifactCache:
                     raise ArtifactRejected("size", f"cached {item.path!r} changed")
             if recheck == "digests":
                 self._run_parallel(
-                    manifest.files, lambda item: self._rehash(entry / item.path, item)
+                    manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
                 )
         except (OSError, ArtifactRejected):
             with self._digest_lock(digest):
@@ -318,11 +329,12 @@ class ArtifactCache:
         )
 
     @staticmethod
-    def _rehash(path: Path, item: FileEntry) -> None:
+    def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
         h = hashlib.sha256()
         with open(path, "rb", buffering=0) as fh:
             while chunk := fh.read(CHUNK_BYTES):
                 h.update(chunk)
+                checkpoint(pacer)
         if h.hexdigest() != item.sha256:
             raise ArtifactRejected("digest", f"cached {item.path!r} does not match its digest")
 
@@ -373,7 +385,9 @@ class ArtifactCache:
                 f"artifact is {manifest.total_bytes} bytes, cache budget is {self.byte_budget}",
             )
 
-    def _download(self, manifest_uri: str, digest: str) -> VerifiedArtifact:
+    def _download(
+        self, manifest_uri: str, digest: str, pacer: LoadPacer | None = None
+    ) -> VerifiedArtifact:
         started = time.monotonic()
         source = ArtifactSource(manifest_uri)
         manifest_bytes = source.read_small(None)
@@ -396,7 +410,8 @@ class ArtifactCache:
         fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
         try:
             self._run_parallel(
-                manifest.files, lambda item: self._copy_verified(source, item, tmp / item.path)
+                manifest.files,
+                lambda item: self._copy_verified(source, item, tmp / item.path, pacer),
             )
             fetched = time.monotonic()
             self._write_synced(tmp / MANIFEST_NAME, manifest_bytes)
@@ -463,7 +478,9 @@ class ArtifactCache:
             os.close(fd)
 
     @staticmethod
-    def _copy_verified(source: ArtifactSource, item: FileEntry, dest: Path) -> None:
+    def _copy_verified(
+        source: ArtifactSource, item: FileEntry, dest: Path, pacer: LoadPacer | None = None
+    ) -> None:
         """Stream one file into ``dest`` while hashing; the write of chunk i overlaps the read
         and hash of chunk i+1 (two buffers, one writer thread)."""
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -492,6 +509,7 @@ class ArtifactCache:
                         )
                     view = memoryview(buf)[:n]
                     digest.update(view)
+                    checkpoint(pacer)
                     if pending is not None:
                         pending.result()
                     pending = writer.submit(_write_all, out, view)

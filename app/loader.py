@@ -39,6 +39,7 @@ from app.features import (
     encode_batch,
     rank_from_logits,
 )
+from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
 from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
@@ -257,10 +258,11 @@ class LoadedModel:
 
     # ------------------------------------------------------------------ dry run
 
-    def dry_run(self) -> None:
+    def dry_run(self, pacer: LoadPacer | None = None) -> None:
         """Run the service's representative requests and validate every output."""
         tol = BATCH_INVARIANCE_ATOL[self.compute_dtype]
         for batch in representative_batches(self.normalization):
+            checkpoint(pacer)
             logits, offsets = self._logits(batch)
             rows = int(offsets[-1])
             if tuple(logits.shape) != (rows,):
@@ -284,6 +286,7 @@ class LoadedModel:
                 # Batch invariance: each request alone scores as it did inside the batch.
                 in_batch = _sigmoid(host)
                 for i, req in enumerate(batch):
+                    checkpoint(pacer)
                     alone_logits, _ = self._logits([req])
                     alone = _sigmoid(alone_logits.float().cpu().numpy())
                     diff = float(np.max(np.abs(alone - in_batch[offsets[i] : offsets[i + 1]])))
@@ -401,8 +404,10 @@ def load_verified(
     device: torch.device | None = None,
     budget: MemoryBudget | None = None,
     resident_bytes: int = 0,
+    pacer: LoadPacer | None = None,
 ) -> LoadedModel:
-    """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure."""
+    """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure.
+    ``pacer`` paces a background load (app.load_pacing): hashing and dry-run forwards."""
     manifest = artifact.manifest
     aid = manifest.artifact_id
     device = device or default_device()
@@ -417,11 +422,12 @@ def load_verified(
                 manifest, params, device, compute_dtype, budget, resident_bytes
             )
             check_budget(memory)
-        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE))
-        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE))
+        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, pacer))
+        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, pacer))
         state = _deserialize(
-            artifact.read_verified(WEIGHTS_FILES[manifest.runtime]), manifest.runtime
+            artifact.read_verified(WEIGHTS_FILES[manifest.runtime], pacer), manifest.runtime
         )
+        checkpoint(pacer)
         model = build_ranker(manifest.architecture, device="meta")
         _check_state(state, model, manifest.precision)
         try:
@@ -441,7 +447,7 @@ def load_verified(
         )
         t1 = time.perf_counter()
         try:
-            loaded.dry_run()
+            loaded.dry_run(pacer)
         except ArtifactRejected:
             loaded.close()
             raise

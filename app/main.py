@@ -28,6 +28,7 @@ from app.replica import (
     BatchingConfig,
     ControllerRef,
     FaultInjection,
+    LoadingConfig,
     MemoryConfig,
     ReplicaConfig,
     RetryConfig,
@@ -82,6 +83,7 @@ class AppArgs(BaseModel):
     cache_byte_budget: Annotated[int, Field(gt=0)] | None = None
     batching: BatchingConfig = BatchingConfig()
     memory: MemoryConfig = MemoryConfig()
+    loading: LoadingConfig = LoadingConfig()
     retry: RetryConfig = RetryConfig()
     trust_key: str | None = None
     controller: ControllerRef | None = None
@@ -129,6 +131,7 @@ def replica_config(
         target=target,
         batching=args.batching,
         memory=args.memory,
+        loading=args.loading,
         retry=args.retry,
         trust_key=str(project_path(args.trust_key)) if args.trust_key else None,
         controller=args.controller,

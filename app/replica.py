@@ -43,6 +43,7 @@ from app.cache import ArtifactCache, Lease
 from app.errors import ArtifactRejected, ConfigError
 from app.features import FEATURE_SCHEMA, RankRequest
 from app.generations import Generation, GenerationHolder, NotReady
+from app.load_pacing import LoadPacer
 from app.loader import LoadedModel, default_device, load_verified
 from app.memory import MemoryBudget, device_capacity
 from app.reconciler import (
@@ -112,6 +113,17 @@ class MemoryConfig(BaseModel):
         )
 
 
+class LoadingConfig(BaseModel):
+    """How a background load shares the host with the requests being served."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The CPU share of one core each loading thread may take (app.load_pacing): hashing and
+    # dry-run forwards run in bursts of a few ms with pauses between them. 1 = unpaced. The
+    # startup load is never paced: the replica serves nothing until it is done.
+    cpu_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+
+
 class RetryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -154,6 +166,7 @@ class ReplicaConfig(BaseModel):
     target: TargetConfig | None = None
     batching: BatchingConfig = BatchingConfig()
     memory: MemoryConfig = MemoryConfig()
+    loading: LoadingConfig = LoadingConfig()
     retry: RetryConfig = RetryConfig()
     trust_key: str | None = None  # path of the public key manifests must be signed with
     controller: ControllerRef | None = None
@@ -194,6 +207,9 @@ class InstanceReport(BaseModel):
     last_error: dict[str, Any] | None
     discarded_revisions: list[int]
     timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
+    # Wall clock (time.time()) at which the generation now serving was installed: "serving
+    # since", and where a load's effect on latency ends when one lines traces up with it.
+    installed_at: float | None = None
     capacity: dict[str, Any]  # max_batch_size, device, memory (see _memory_report)
     heartbeat: float  # wall clock (time.time()) of the report
     seq: int  # increases with every report of this replica
@@ -292,8 +308,10 @@ class ModelLoader:
         budget: Callable[[], MemoryBudget],
         device: torch.device,
         on_installed: Callable[[Candidate], None],
+        cpu_share: Callable[[], float | None] = lambda: None,
     ) -> None:
         self._on_installed = on_installed
+        self._cpu_share = cpu_share  # None: an unpaced load
         self._cache = cache
         self._holder = holder
         self._leases = leases
@@ -309,9 +327,13 @@ class ModelLoader:
                 artifact_id=target.artifact_id,
             )
         cache = self._cache()
+        share = self._cpu_share()
+        pacer = LoadPacer(share) if share is not None and share < 1 else None
         lease = cache.lease(target.manifest_sha256)
         try:
-            artifact = cache.fetch_verified(target.manifest_uri, target.manifest_sha256)
+            artifact = cache.fetch_verified(
+                target.manifest_uri, target.manifest_sha256, pacer=pacer
+            )
             if artifact.manifest.artifact_id != target.artifact_id:
                 raise ArtifactRejected(
                     "manifest_digest",
@@ -329,7 +351,11 @@ class ModelLoader:
             current = self._holder.current
             resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
             model = load_verified(
-                artifact, device=self._device, budget=self._budget(), resident_bytes=resident
+                artifact,
+                device=self._device,
+                budget=self._budget(),
+                resident_bytes=resident,
+                pacer=pacer,
             )
         except BaseException:
             lease.release()
@@ -343,6 +369,8 @@ class ModelLoader:
             ),
             "load": float(model.timings.get("load", 0.0)),
             "dry_run": float(model.timings.get("dry_run", 0.0)),
+            # Of the stages above, the time spent in pacing pauses (LoadingConfig.cpu_share).
+            "paced": pacer.paused_s if pacer is not None else 0.0,
         }
         return Candidate(target, model, lease, timings)
 
@@ -400,6 +428,7 @@ class RankerReplica:
             budget=lambda: self.config.memory.budget(),
             device=self._device,
             on_installed=self._installed,
+            cpu_share=lambda: self.config.loading.cpu_share if self._background else None,
         )
         self._reconciler: Reconciler[Candidate] = Reconciler(
             self._loader,
@@ -408,6 +437,9 @@ class RankerReplica:
             worker_nice=loader_nice,
         )
         self._timings: dict[str, float] = {}
+        self._installed_at: float | None = None
+        # False until the first config was applied: the startup load runs unpaced.
+        self._background = False
         self._fatal: BaseException | None = None
         self._reporter = _Reporter(self)
         self.runtime_build: str | None = None
@@ -487,6 +519,7 @@ class RankerReplica:
                 self.replica_id,
             )
             self.runtime_build = None
+        self._background = True
         self._reporter.configure(new)
         self._reporter.poke()
         return True
@@ -602,6 +635,7 @@ class RankerReplica:
             last_error=_error_dict(err),
             discarded_revisions=list(snap.discarded),
             timings=dict(self._timings),
+            installed_at=self._installed_at if current is not None else None,
             capacity={
                 "max_batch_size": cfg.batching.max_batch_size if cfg else None,
                 "device": str(self._device),
@@ -633,6 +667,7 @@ class RankerReplica:
         }
 
     def _installed(self, candidate: Candidate) -> None:
+        self._installed_at = time.time()
         self._timings = dict(candidate.timings)
         self.runtime_build = candidate.model.runtime_build
         for stage, seconds in candidate.timings.items():

@@ -1,30 +1,31 @@
 """Cost of the router hop, and the latency cost of loading a candidate, side by side in one run.
 
 Every round measures both; the summary gives the throughput ratio per round and their median,
-and the p99 ratios pooled over the rounds, so the noise of a shared 2-core machine is visible
-next to the result:
+and the p99s pooled over the rounds, so the noise of a shared 2-core machine is visible next to
+the result:
 
 1. Throughput and p50/p99 of ``POST /v1/rank`` through the router (router -> stable ranker)
    vs the ranker deployment serving HTTP itself (``mode: ranker_only``), same model, same
    request, same closed-loop load; the order of the two alternates between rounds so drift
    hits both. Goal: >= 0.8x.
-2. p99 through the router while a candidate loads (a fresh artifact every round, so every
-   round downloads, verifies, loads and dry-runs) vs the same traffic just before the change
-   and from 1 s after it, at a fixed request rate (open loop, half the first round's router
-   throughput unless given); both sides are pooled over the rounds, as one window holds few
-   requests and the p99 of a few is close to their maximum. Measured in the two places a
-   candidate loads: (a) the canary pool loads a larger candidate (~34 MB) as a rollout's
-   first step does, while stable serves all the traffic; (b) every stable replica swaps in
-   place while it serves, to a fresh artifact of the architecture it already serves (a
-   larger model would make every request after the swap dearer and pass for the load's cost;
-   the first version of this bench did exactly that, and its later rounds also compared a
-   heavier routed model with the direct one). ``--stable-replicas`` is 2 by default, as
-   production runs several: Serve reconfigures replicas a few at a time. A window runs from
-   the user_config PUT to the moment every replica of the deployment reports the candidate
-   installed (polled through a handle every 50 ms). Goal: <= 1.25x. A control window of the
-   same length around a stable user_config change that loads nothing (``report_interval_s``)
-   separates what the declarative update costs by itself (the dashboard REST
-   read-modify-write, the Serve controller, reconfigure) from the load's cost.
+2. p99 through the router in windows where something changes vs steady state (the same
+   traffic outside every window), at a fixed request rate (open loop, half the first round's
+   router throughput unless given). One traffic phase per round holds ``--events`` windows of
+   each kind below, in a shuffled order, one every ``--slot`` seconds:
+   - ``canary``: the canary pool loads a fresh ~34 MB candidate (download, verify, load, dry
+     run), as a rollout's first step does, while stable serves all the traffic;
+   - ``stable``: every stable replica swaps in place, while it serves, to a fresh artifact of
+     the architecture it already serves (a larger model would make every later request dearer
+     and pass for the load's cost; the first version of this bench did exactly that);
+   - ``config``: a stable user_config change that loads nothing: what the declarative update
+     costs by itself (dashboard REST read-modify-write, Serve controller, reconfigure);
+   - ``none``: nothing happens: the control of the method itself, which should come out at
+     ~1.0x (a window holds ~100 requests; its p99 is close to their maximum, so only pooling
+     many windows gives a p99 worth comparing).
+   A load's window runs from the user_config PUT to the moment the last replica installed the
+   candidate, by the ``installed_at`` the replicas report (nothing polls them during the
+   window: a status call on a serving replica is a request like any other); ``config`` and
+   ``none`` windows are as long as the stable swaps' median. Goal: <= 1.25x.
    The traffic runs in a separate client process, so this process's control-plane calls do
    not stall the client and pass for service latency.
 
@@ -36,14 +37,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
+import random
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,23 +187,93 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x [{min(values):.2f}..{max(values):.2f}]"
 
 
+KINDS = ("none", "config", "canary", "stable")
+LABELS = {
+    "none": "nothing changes (control of the method)",
+    "config": "config-only stable change (control)",
+    "canary": "canary loads a candidate",
+    "stable": "stable replicas swap in place",
+}
+
+
+@dataclass
+class Window:
+    kind: str
+    start: float  # perf_counter of this process (CLOCK_MONOTONIC, shared with the client)
+    end: float
+
+
+def windowed(
+    windows: list[Window], latencies: list[float], stamps: list[float], first: float
+) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+    """Latencies of the requests in flight at any moment of each window, per kind and window,
+    and of the steady-state requests, per gap between windows: those that overlap no window
+    nor the second after one (as the phase's first second, left out as warm-up)."""
+    inside: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+    per_window: list[list[float]] = [[] for _ in windows]
+    gaps: list[list[float]] = [[] for _ in range(len(windows) + 1)]
+    for x, done in zip(latencies, stamps, strict=True):
+        sent = done - x
+        hit = False
+        for k, w in enumerate(windows):
+            if done >= w.start and sent <= w.end:
+                per_window[k].append(x)
+                hit = True
+        near = any(done >= w.start and sent <= w.end + 1.0 for w in windows)
+        if not hit and not near and sent >= first + 1.0:
+            gaps[sum(w.start <= sent for w in windows)].append(x)
+    for w, got in zip(windows, per_window, strict=True):
+        inside[w.kind].append(got)
+    return inside, [gap for gap in gaps if gap]
+
+
+def p99_ratio_interval(
+    windows: list[list[float]], gaps: list[list[float]], seed: int, resamples: int = 2000
+) -> tuple[float, float]:
+    """90% interval of (pooled p99 in the windows) / (pooled p99 in steady state) by a
+    cluster bootstrap: whole windows and whole gaps between them are resampled, as requests
+    close in time share their fate (one hiccup slows a burst of them)."""
+    rng = np.random.default_rng(seed)
+    w = [np.asarray(x) for x in windows if x]
+    g = [np.asarray(x) for x in gaps if x]
+    if not w or not g:
+        return float("nan"), float("nan")
+    ratios = np.empty(resamples)
+    for b in range(resamples):
+        a = np.concatenate([w[i] for i in rng.integers(0, len(w), len(w))])
+        s = np.concatenate([g[i] for i in rng.integers(0, len(g), len(g))])
+        ratios[b] = np.percentile(a, 99) / np.percentile(s, 99)
+    lo, hi = np.percentile(ratios, [5, 95])
+    return float(lo), float(hi)
+
+
+def flat(groups: list[list[float]]) -> list[float]:
+    return [x for group in groups for x in group]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="per phase")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per throughput phase")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--events", type=int, default=4, help="windows of each kind per round (shuffled)"
+    )
+    parser.add_argument(
+        "--slot", type=float, default=4.0, help="seconds from one window to the next"
+    )
     parser.add_argument("--candidates", type=int, default=16, help="per request")
     parser.add_argument(
         "--candidate-hidden",
         type=int,
         default=1024,
-        help="hidden_dim of the candidate (8 layers): 1024 ~ 34 MB, 2048 ~ 134 MB",
+        help="hidden_dim of the canary's candidate (8 layers): 1024 ~ 34 MB, 2048 ~ 134 MB",
     )
     parser.add_argument(
         "--load-rate",
         type=float,
         default=None,
-        help="req/s of the candidate-load phases (default: half the first round's router rate)",
+        help="req/s of the windowed phases (default: half the first round's router rate)",
     )
     parser.add_argument(
         "--calls-per-replica", type=int, default=None, help="router coalesce_calls_per_replica"
@@ -210,25 +285,31 @@ def main() -> int:
         help="replicas of stable (and of the direct path); Serve reconfigures them a few at a "
         "time, so with one alone every user_config change stalls all traffic for a moment",
     )
+    parser.add_argument("--seed", type=int, default=20261129, help="of the window order")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
     params = {"hidden_dim": args.candidate_hidden, "num_layers": 8, "context_dim": 16}
-    # A distinct candidate per round: each load is a full download + verify + load + dry run.
-    # The canary loads a large one (it serves nothing meanwhile); stable swaps in place to one
+    loads = args.rounds * args.events
+    # A distinct candidate per window: each load is a full download + verify + load + dry run.
+    # The canary loads large ones (it serves nothing meanwhile); stable swaps in place to ones
     # of the serving model's own architecture, so the requests measured during and after the
     # swap cost what they cost before it: the difference is the load, not a heavier model.
-    bigs = [
-        pack_ranker(work / "store", artifact_id=f"ranker-large-r{i}", seed=1000 + i, params=params)
-        for i in range(args.rounds)
-    ]
-    same_size = [
-        pack_ranker(
-            work / "store", artifact_id=f"ranker-same-r{i}", seed=2000 + i, params=DEMO_PARAMS
-        )
-        for i in range(args.rounds)
-    ]
+    candidates = {
+        "canary": [
+            pack_ranker(
+                work / "store", artifact_id=f"ranker-large-{i}", seed=1000 + i, params=params
+            )
+            for i in range(loads)
+        ],
+        "stable": [
+            pack_ranker(
+                work / "store", artifact_id=f"ranker-same-{i}", seed=2000 + i, params=DEMO_PARAMS
+            )
+            for i in range(loads)
+        ],
+    }
     http_port, dash_port = free_port(), free_port()
     os.environ["RAY_GCS_SERVER_PORT"] = str(free_port())
     ray.init(
@@ -287,22 +368,75 @@ def main() -> int:
             name: serve.get_deployment_handle(name, app_name="routed")
             for name in ("stable", "canary")
         }
+        replicas = {"stable": args.stable_replicas, "canary": 1}
         base = f"http://127.0.0.1:{http_port}"
         payloads = [body(args.candidates, seed) for seed in range(64)]
         routes = {"router": f"{base}/routed/v1/rank", "direct": f"{base}/direct/v1/rank"}
         # Traffic runs in its own process: the control-plane calls of this one (the REST PUT,
-        # the install polling) would otherwise hold up the client's event loop and show up as
-        # service latency in exactly the windows being measured.
+        # the reports read after a load) would otherwise hold up the client's event loop and
+        # show up as service latency in exactly the windows being measured.
         clients = ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn")
         )
         for url in routes.values():  # warm up both paths (and the client process)
             clients.submit(traffic, "closed", url, payloads, 2.0, args.concurrency).result()
 
+        # time.time() - perf_counter(): turns the replicas' wall-clock installed_at into this
+        # process's monotonic time (same machine, same clocks).
+        wall_offset = time.time() - time.perf_counter()
+        order_rng = random.Random(args.seed)
+        revisions = {"stable": 1, "canary": 0}
+        used = {"stable": 0, "canary": 0}
+        swap_lengths: list[float] = []
+        config_changes = itertools.count(1)
+
+        def reports_of(deployment: str, revision: int, timeout: float = 120.0):
+            """Every replica's report once all have installed ``revision``; each call reaches
+            one replica, so keep asking until each has answered."""
+            seen: dict[str, dict[str, Any]] = {}
+            deadline = time.perf_counter() + timeout
+            while len(seen) < replicas[deployment]:
+                report = handles[deployment].status.remote().result(timeout_s=10)
+                if report["phase"] == "failed":
+                    raise RuntimeError(f"candidate failed to load: {report['last_error']}")
+                if report["actual_revision"] == revision:
+                    seen[report["replica_id"]] = report
+                elif time.perf_counter() > deadline:
+                    raise TimeoutError(f"{deployment} revision {revision} not installed")
+                else:
+                    time.sleep(0.25)
+            return list(seen.values())
+
+        def event(kind: str, slot_end: float) -> tuple[Window, dict[str, Any]]:
+            length = statistics.median(swap_lengths) if swap_lengths else 1.0
+            start = time.perf_counter()
+            if kind == "none":
+                return Window(kind, start, start + length), {}
+            if kind == "config":
+                n = next(config_changes)  # a value not seen before: a real change
+                rest.update_user_configs(
+                    "routed", {"stable": lambda cfg: {**cfg, "report_interval_s": 10.0 + n / 8}}
+                )
+                return Window(kind, start, start + length), {}
+            revisions[kind] += 1
+            candidate = candidates[kind][used[kind]]
+            used[kind] += 1
+            rest.update_user_configs(
+                "routed",
+                {kind: lambda cfg: {**cfg, "target": target(candidate, revisions[kind])}},
+            )
+            # Nothing asks the replicas anything until the slot is over.
+            time.sleep(max(0.0, slot_end - time.perf_counter()))
+            reports = reports_of(kind, revisions[kind])
+            end = max(float(r["installed_at"]) for r in reports) - wall_offset
+            if kind == "stable":
+                swap_lengths.append(end - start)
+            return Window(kind, start, end), reports[0].get("timings", {})
+
         errors = 0
         rounds: list[dict[str, Any]] = []
-        # Per kind of change: latencies in its windows and around them, over every round.
-        pooled: dict[str, tuple[list[float], list[float]]] = {}
+        pooled: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
+        steady_pooled: list[list[float]] = []
         rate = args.load_rate
         for i in range(args.rounds):
             row: dict[str, Any] = {}
@@ -316,116 +450,58 @@ def main() -> int:
             if rate is None:
                 rate = 0.5 * row["router"]["rps"]
 
-            revision = 2 + i
-            candidate = bigs[i]
-
-            def during_change(
-                deployment: str,
-                change: Any,
-                revision: int | None,
-                window: float | None = None,
-                rate=rate,
-            ) -> tuple[list[float], list[float], int, float, dict[str, Any]]:
-                """Open-loop traffic around one user_config change of ``deployment``. The
-                window ends when every replica of it reports ``revision`` installed, or after
-                ``window`` seconds. Returns the latencies of the requests in flight at any
-                moment of the window, and of the same traffic's requests wholly before it or
-                wholly after it (from 1 s after its end): the reference, measured under the
-                same conditions, in the same phase."""
-                phase = clients.submit(
-                    traffic, "open", routes["router"], payloads, 3 * args.seconds, rate
-                )
-                # Let the traffic settle, then keep a reference of at least a second before the
-                # change (requests in the phase's first second are left out as warm-up).
-                time.sleep(max(args.seconds / 4, 2.5))
-                start = time.perf_counter()
-                rest.update_user_configs("routed", {deployment: change})
-                report: dict[str, Any] = {}
-                seen: dict[str, dict[str, Any]] = {}
-                replicas = args.stable_replicas if deployment == "stable" else 1
-                while revision is not None:
-                    # Each call reaches one replica: keep asking until all have answered
-                    # with the revision installed.
-                    report = handles[deployment].status.remote().result(timeout_s=10)
-                    if report["phase"] == "failed":
-                        raise RuntimeError(f"candidate failed to load: {report['last_error']}")
-                    if report["actual_revision"] == revision:
-                        seen[report["replica_id"]] = report
-                        if len(seen) >= replicas:
-                            break
-                    if time.perf_counter() - start > 120:
-                        raise TimeoutError("candidate not installed after 120 s")
-                    time.sleep(0.05)  # polling interval of the install
-                if window is not None:
-                    time.sleep(max(0.0, start + window - time.perf_counter()))
-                end = time.perf_counter()
-                lat, stamps, err, _ = phase.result()
-                first = min(t - x for x, t in zip(lat, stamps, strict=True))
-                in_window, reference = [], []
-                for x, t in zip(lat, stamps, strict=True):
-                    if t >= start and t - x <= end:
-                        in_window.append(x)
-                    elif (first + 1.0 <= t - x and t < start) or t - x > end + 1.0:
-                        reference.append(x)
-                return in_window, reference, err, end - start, report
-
-            def new_target(cfg: dict[str, Any], candidate: Any, revision=revision):
-                return {**cfg, "target": target(candidate, revision)}
-
-            # 1. What a rollout does first: the canary pool loads the candidate while stable
-            #    serves all the traffic (weight 0 to the canary).
-            prep_in, prep_ref, err1, prep_s, _ = during_change(
-                "canary", lambda cfg, c=candidate: new_target(cfg, c), revision
-            )
-            # 2. Stable hot-swaps in place: every stable replica loads while it serves.
-            swap_in, swap_ref, err2, swap_s, report = during_change(
-                "stable", lambda cfg, c=same_size[i]: new_target(cfg, c), revision
-            )
-
-            # Control: a user_config change that loads nothing, over a window as long as the
-            # swap's: what the declarative update costs without any candidate load.
-            def config_only(cfg: dict[str, Any], i=i) -> dict[str, Any]:
-                return {**cfg, "report_interval_s": 10.0 + 0.5 * (i + 1)}
-
-            ctl_in, ctl_ref, err3, _, _ = during_change("stable", config_only, None, window=swap_s)
-            errors += err1 + err2 + err3
-            for name, inside, outside, span in (
-                ("preparing", prep_in, prep_ref, prep_s),
-                ("loading", swap_in, swap_ref, swap_s),
-                ("control", ctl_in, ctl_ref, swap_s),
-            ):
-                pooled.setdefault(name, ([], []))
-                pooled[name][0].extend(inside)
-                pooled[name][1].extend(outside)
-                row[name] = {
-                    "in": summarize(inside, max(span, 1e-9)),
-                    "ref": summarize(outside, 1.0),
-                    "window_s": span,
+            kinds = [kind for kind in KINDS for _ in range(args.events)]
+            order_rng.shuffle(kinds)
+            settle = 2.5
+            # Slack for loads that run past their slot: the traffic must outlast the events.
+            seconds = settle + len(kinds) * args.slot * 1.25 + 2.0
+            phase = clients.submit(traffic, "open", routes["router"], payloads, seconds, rate)
+            time.sleep(settle)
+            windows: list[Window] = []
+            timings: dict[str, dict[str, float]] = {}
+            for kind in kinds:
+                slot_end = time.perf_counter() + args.slot
+                window, loaded = event(kind, slot_end)
+                windows.append(window)
+                if loaded:
+                    timings[kind] = loaded
+                time.sleep(max(0.0, slot_end - time.perf_counter()))
+            lat, stamps, err, _ = phase.result()
+            errors += err
+            if max(stamps) < max(w.end for w in windows):
+                raise RuntimeError("the traffic ended before the last window: raise its slack")
+            first = min(t - x for x, t in zip(lat, stamps, strict=True))
+            inside, steady = windowed(windows, lat, stamps, first)
+            for kind in KINDS:
+                pooled[kind].extend(inside[kind])
+            steady_pooled.extend(steady)
+            row["windows"] = {
+                kind: {
+                    **summarize(flat(inside[kind]), 1.0),
+                    "s": statistics.median(w.end - w.start for w in windows if w.kind == kind),
                 }
-            row["timings"] = report.get("timings", {})
+                for kind in KINDS
+            }
+            row["steady"] = summarize(flat(steady), 1.0)
             rounds.append(row)
-
-            def said(name: str, row=row) -> str:
-                r = row[name]
-                return (
-                    f"{r['in']['p99'] / r['ref']['p99']:.2f}x ({r['in']['p99']:.0f}/"
-                    f"{r['ref']['p99']:.0f} ms, {r['in']['n']} requests in {r['window_s']:.1f} s)"
-                )
-
+            said = ", ".join(
+                f"{kind} {row['windows'][kind]['p99'] / row['steady']['p99']:.2f}x "
+                f"({row['windows'][kind]['s']:.1f} s)"
+                for kind in KINDS
+            )
+            loaded_in = "; ".join(
+                f"{kind} load " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+                for kind, t in timings.items()
+            )
             print(
                 f"round {i + 1}: router/direct {row['router']['rps'] / row['direct']['rps']:.2f}x "
-                f"({row['router']['rps']:.0f}/{row['direct']['rps']:.0f} req/s)   p99 in window "
-                f"vs around it: canary loads {said('preparing')}, stable swaps "
-                f"{said('loading')}, config-only {said('control')}; stable load "
-                + ", ".join(f"{k} {v:.2f}s" for k, v in row["timings"].items()),
+                f"({row['router']['rps']:.0f}/{row['direct']['rps']:.0f} req/s)   p99 in windows "
+                f"vs steady {row['steady']['p99']:.0f} ms: {said}   ({loaded_in})",
                 flush=True,
             )
 
         def median(name: str, key: str) -> float:
             return statistics.median(r[name][key] for r in rounds)
-
-        def p99(values: list[float]) -> float:
-            return summarize(values, 1.0)["p99"]
 
         print()
         print(f"{'path (median of rounds)':<34}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
@@ -434,23 +510,35 @@ def main() -> int:
                 f"{label:<34}{median(name, 'rps'):>9.0f}{median(name, 'p50'):>9.1f}"
                 f"{median(name, 'p99'):>9.1f}"
             )
-        title = f"p99 pooled over rounds at {rate:.0f} req/s"
-        print(f"\n{title:<40}{'in window':>10}{'around':>10}{'ratio':>8}{'n in':>7}")
-        ratios = {}
-        for name, label in (
-            ("preparing", "canary loads a candidate"),
-            ("loading", "stable swaps in place"),
-            ("control", "config-only change"),
-        ):
-            inside, outside = pooled[name]
-            ratios[name] = p99(inside) / p99(outside)
+        steady = summarize(flat(steady_pooled), 1.0)
+        title = f"pooled over rounds at {rate:.0f} req/s"
+        print(
+            f"\n{title:<42}{'p50 ms':>8}{'p99 ms':>8}{'vs steady':>10}{'90% interval':>15}"
+            f"{'requests':>9}"
+        )
+        print(f"{'steady state':<42}{steady['p50']:>8.1f}{steady['p99']:>8.1f}{'':>25}"
+              f"{steady['n']:>9}")  # fmt: skip
+        ratios: dict[str, float] = {}
+        intervals: dict[str, tuple[float, float]] = {}
+        for k, kind in enumerate(KINDS):
+            got = summarize(flat(pooled[kind]), 1.0)
+            ratios[kind] = got["p99"] / steady["p99"]
+            intervals[kind] = p99_ratio_interval(pooled[kind], steady_pooled, args.seed + k)
+            lo, hi = intervals[kind]
             print(
-                f"{label:<40}{p99(inside):>10.1f}{p99(outside):>10.1f}"
-                f"{ratios[name]:>7.2f}x{len(inside):>7}"
+                f"{LABELS[kind]:<42}{got['p50']:>8.1f}{got['p99']:>8.1f}{ratios[kind]:>9.2f}x"
+                f"{f'{lo:.2f}..{hi:.2f}x':>15}{got['n']:>9}"
             )
         throughput = [r["router"]["rps"] / r["direct"]["rps"] for r in rounds]
         print(f"\nrouter/direct throughput: {spread(throughput)} (goal >= 0.8)")
-        unit = f"ms at {rate:.0f} req/s, pooled over rounds"
+        unit = f"ms at {rate:.0f} req/s, {args.rounds * args.events} windows, pooled"
+        goals = {"canary": "<= 1.25x", "stable": "<= 1.25x", "config": "", "none": "~1x"}
+        measurements = {
+            "none": "p99 in windows where nothing changes vs steady (method control)",
+            "config": "p99 during a config-only change vs steady (control)",
+            "canary": "p99 while the canary loads a candidate vs steady",
+            "stable": f"p99 while {args.stable_replicas} stable replicas swap in place vs steady",
+        }
         rows = [
             {
                 "measurement": "throughput through the router vs ranker as ingress",
@@ -462,34 +550,22 @@ def main() -> int:
             },
             *(
                 {
-                    "measurement": measurement,
-                    "value": round(p99(pooled[name][0]), 1),
-                    "baseline": round(p99(pooled[name][1]), 1),
+                    "measurement": measurements[kind],
+                    "value": round(summarize(flat(pooled[kind]), 1.0)["p99"], 1),
+                    "baseline": round(steady["p99"], 1),
                     "unit": unit,
-                    "ratio": round(ratios[name], 2),
-                    "goal": goal,
+                    "ratio": round(ratios[kind], 2),
+                    "interval": [round(x, 2) for x in intervals[kind]],
+                    "goal": goals[kind],
                 }
-                for name, measurement, goal in (
-                    (
-                        "preparing",
-                        "p99 while the canary loads a candidate vs around it",
-                        "<= 1.25x",
-                    ),
-                    (
-                        "loading",
-                        f"p99 while {args.stable_replicas} stable replicas swap in place "
-                        "vs around it",
-                        "<= 1.25x",
-                    ),
-                    ("control", "p99 during a config-only change vs around it (control)", ""),
-                )
+                for kind in ("canary", "stable", "config", "none")
             ),
         ]
         print(
             f"{args.rounds} rounds   non-200: {errors}   "
             f"concurrency {args.concurrency}, {args.candidates} candidates/request, "
-            f"{args.seconds:.0f} s phases, candidate hidden_dim {args.candidate_hidden}, "
-            f"{args.stable_replicas} stable replicas"
+            f"{args.seconds:.0f} s phases, {args.events} windows of each kind per round, "
+            f"candidate hidden_dim {args.candidate_hidden}, {args.stable_replicas} stable replicas"
         )
         print(json.dumps({"bench": "router", "non_200": errors, "rows": rows}))
     finally:
@@ -502,6 +578,7 @@ def main() -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -55,12 +55,14 @@ def main() -> None:
     rows += run("bench_registry.py")
 
     width = max(len(r["measurement"]) for r in rows)
-    print(f"{'measurement':<{width}}  {'value':>10}  {'baseline':>10}  {'ratio':>8}  goal")
+    print(f"{'measurement':<{width}}  {'value':>10}  {'baseline':>10}  {'ratio':>18}  goal")
     for r in rows:
         value = "-" if r["value"] is None else f"{r['value']:g}"
         baseline = "-" if r["baseline"] is None else f"{r['baseline']:g}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:g}x"
-        print(f"{r['measurement']:<{width}}  {value:>10}  {baseline:>10}  {ratio:>8}  "
+        if r.get("interval"):  # a 90% bootstrap interval where the ratio is a noisy one
+            ratio += " [{:g}..{:g}]".format(*r["interval"])
+        print(f"{r['measurement']:<{width}}  {value:>10}  {baseline:>10}  {ratio:>18}  "
               f"{r['goal']}  ({r['unit']})")  # fmt: skip
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)

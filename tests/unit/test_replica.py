@@ -98,6 +98,7 @@ def test_an_invalid_first_config_raises(replica: RankerReplica, tmp_path: Path) 
         ({"colour": "red"}, "user_config.colour"),
         ({"target": {"revision": "six"}}, "user_config.target.revision"),
         ({"cohort": "stable"}, "user_config.cohort"),
+        ({"loading": {"cpu_share": 0}}, "user_config.loading.cpu_share"),
     ],
 )
 def test_an_invalid_config_on_a_serving_replica_is_refused_not_raised(
@@ -135,6 +136,43 @@ def test_a_later_load_failure_shows_over_an_older_config_error(
     report = serving.report()
     assert report.last_error is not None and report.last_error["revision"] == 6
     assert report.actual_artifact == "ranker-v42"
+
+
+def test_installed_at_says_since_when_the_serving_model_serves(
+    replica: RankerReplica, tmp_path: Path, demo
+) -> None:
+    before = time.time()
+    replica.reconfigure(config(tmp_path, target=target(demo["ranker-v42"], 5)))
+    first = replica.report().installed_at
+    assert first is not None and before <= first <= time.time()
+    # A failed candidate leaves the serving model, and so its time, alone.
+    broken = {**target(demo["ranker-v41"], 6), "manifest_sha256": "0" * 64}
+    replica.reconfigure(config(tmp_path, target=broken))
+    wait_for(lambda: replica.report().phase == "failed", "the broken target failed")
+    assert replica.report().installed_at == first
+    replica.reconfigure(config(tmp_path, target=target(demo["ranker-v41"], 7)))
+    wait_for(lambda: replica.report().actual_revision == 7, "revision 7 installed")
+    second = replica.report().installed_at
+    assert second is not None and second > first
+    replica.reconfigure(config(tmp_path, target=None))  # an idle pool serves nothing
+    assert replica.report().installed_at is None
+
+
+def test_background_loads_are_paced_and_the_startup_load_is_not(
+    replica: RankerReplica, tmp_path: Path, demo
+) -> None:
+    # A small share makes every burst of the dry run alone (tens of ms of CPU) pause.
+    cfg = config(tmp_path, loading={"cpu_share": 0.2})
+    replica.reconfigure({**cfg, "target": target(demo["ranker-v42"], 5)})
+    assert replica.report().timings["paced"] == 0.0  # nothing serves here until it is done
+    replica.reconfigure({**cfg, "target": target(demo["ranker-v41"], 6)})
+    wait_for(lambda: replica.report().actual_revision == 6, "revision 6 installed")
+    assert replica.report().timings["paced"] > 0.0
+    replica.reconfigure(
+        {**cfg, "loading": {"cpu_share": 1.0}, "target": target(demo["ranker-v42"], 7)}
+    )
+    wait_for(lambda: replica.report().actual_revision == 7, "revision 7 installed")
+    assert replica.report().timings["paced"] == 0.0  # a full share: unpaced
 
 
 # --------------------------------------------------------------------------- cleared target
