@@ -286,7 +286,15 @@ def main() -> int:
         "time, so with one alone every user_config change stalls all traffic for a moment",
     )
     parser.add_argument("--seed", type=int, default=20261129, help="of the window order")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help="kinds of windows to measure (comma-separated; 'none' and 'config' are controls)",
+    )
     args = parser.parse_args()
+    measured = [kind for kind in KINDS if kind in args.kinds.split(",")]
+    if not measured or set(args.kinds.split(",")) - set(KINDS):
+        parser.error(f"--kinds: a comma-separated subset of {','.join(KINDS)}")
 
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
@@ -450,7 +458,7 @@ def main() -> int:
             if rate is None:
                 rate = 0.5 * row["router"]["rps"]
 
-            kinds = [kind for kind in KINDS for _ in range(args.events)]
+            kinds = [kind for kind in measured for _ in range(args.events)]
             order_rng.shuffle(kinds)
             settle = 2.5
             # Slack for loads that run past their slot: the traffic must outlast the events.
@@ -480,14 +488,14 @@ def main() -> int:
                     **summarize(flat(inside[kind]), 1.0),
                     "s": statistics.median(w.end - w.start for w in windows if w.kind == kind),
                 }
-                for kind in KINDS
+                for kind in measured
             }
             row["steady"] = summarize(flat(steady), 1.0)
             rounds.append(row)
             said = ", ".join(
                 f"{kind} {row['windows'][kind]['p99'] / row['steady']['p99']:.2f}x "
                 f"({row['windows'][kind]['s']:.1f} s)"
-                for kind in KINDS
+                for kind in measured
             )
             loaded_in = "; ".join(
                 f"{kind} load " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
@@ -520,7 +528,7 @@ def main() -> int:
               f"{steady['n']:>9}")  # fmt: skip
         ratios: dict[str, float] = {}
         intervals: dict[str, tuple[float, float]] = {}
-        for k, kind in enumerate(KINDS):
+        for k, kind in enumerate(measured):
             got = summarize(flat(pooled[kind]), 1.0)
             ratios[kind] = got["p99"] / steady["p99"]
             intervals[kind] = p99_ratio_interval(pooled[kind], steady_pooled, args.seed + k)
@@ -559,6 +567,7 @@ def main() -> int:
                     "goal": goals[kind],
                 }
                 for kind in ("canary", "stable", "config", "none")
+                if kind in measured
             ),
         ]
         print(

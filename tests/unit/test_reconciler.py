@@ -414,3 +414,41 @@ def test_the_worker_runs_at_idle_priority_and_only_the_worker() -> None:
     thread.join()
     assert seen == {"said": "SCHED_IDLE", "policy": os.SCHED_IDLE}
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+
+
+@dataclass
+class PriorityRecordingLoader(GatedLoader):
+    """Records the scheduling policy and niceness of the thread each load runs on."""
+
+    seen: list[tuple[int, int]] = field(default_factory=list)
+
+    def load(self, t: Target) -> Loaded:
+        tid = threading.get_native_id()
+        self.seen.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+        return super().load(t)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_a_load_beside_a_served_model_is_niced_and_one_beside_none_is_sched_idle() -> None:
+    # A SCHED_IDLE loader preempted while it holds the GIL would stall the request threads of
+    # its own process: only a replica that serves nothing loads at SCHED_IDLE.
+    loader = PriorityRecordingLoader()
+    rec = Reconciler(loader, policy=FAST, rng=random.Random(1), worker_nice=3)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    rec.submit(target(1))  # an idle pool's first target: nothing serves here yet
+    assert rec.wait_settled(5)
+    rec.submit(target(2, "b"))  # revision 1 serves meanwhile
+    assert rec.wait_settled(5)
+    assert rec.clear()  # the served model retired: idle again
+    rec.submit(target(3, "c"))
+    assert rec.wait_settled(5)
+    rec.close()
+    assert [t.revision for t in loader.installed] == [1, 2, 3]
+    assert loader.seen == [
+        (os.SCHED_IDLE, mine),
+        (os.SCHED_OTHER, min(19, mine + 3)),
+        (os.SCHED_IDLE, mine),
+    ]
+    # Each load had a thread of its own: the caller's and the worker's priority are untouched.
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
