@@ -377,9 +377,11 @@ class Reconciler(Generic[M]):
         everything else on the host goes first. A model served here: niceness, because the
         load and the request threads share this process's GIL, and a SCHED_IDLE loader
         preempted while it holds the GIL stalls the requests waiting for it until a core is
-        idle. bench/bench_router.py, stable replicas swapping in place (2-core machine, paced
-        loads, 12 windows each): median latency in the windows 46.5 ms with SCHED_IDLE, 35.7 ms
-        with niceness, 34.6 and 32.8 ms in the config-only control windows of the same runs.
+        idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion). Measured
+        with bench/bench_router.py, stable replicas swapping in place (2-core machine, paced
+        loads): one A/B pair gave a median latency in the windows of 46.5 ms at SCHED_IDLE and
+        35.7 ms niced; two more pairs stayed within the noise (25-34 ms either way). Pacing
+        keeps the GIL bursts short, so the gain is small here; the hazard is not.
         """
         if self._worker_nice <= 0:
             self._attempt(target, attempt)

@@ -257,7 +257,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--events", type=int, default=4, help="windows of each kind per round (shuffled)"
+        "--events", type=int, default=6, help="windows of each kind per round (shuffled)"
     )
     parser.add_argument(
         "--slot", type=float, default=4.0, help="seconds from one window to the next"
