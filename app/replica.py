@@ -208,7 +208,7 @@ class InstanceReport(BaseModel):
     discarded_revisions: list[int]
     timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
     # Wall clock (time.time()) at which the generation now serving was installed: "serving
-    # since", and where a load's effect on latency ends when one lines traces up with it.
+    # since", and where a load ends when latency traces are lined up with it.
     installed_at: float | None = None
     capacity: dict[str, Any]  # max_batch_size, device, memory (see _memory_report)
     heartbeat: float  # wall clock (time.time()) of the report
@@ -328,7 +328,7 @@ class ModelLoader:
             )
         cache = self._cache()
         share = self._cpu_share()
-        pacer = LoadPacer(share) if share is not None and share < 1 else None
+        pacer = LoadPacer(share) if share is not None else None  # a share of 1 never pauses
         lease = cache.lease(target.manifest_sha256)
         try:
             artifact = cache.fetch_verified(
