@@ -409,10 +409,13 @@ def main() -> int:
                     raise RuntimeError(f"candidate failed to load: {report['last_error']}")
                 if report["actual_revision"] == revision:
                     seen[report["replica_id"]] = report
-                elif time.perf_counter() > deadline:
+                    if len(seen) == replicas[deployment]:
+                        break
+                # Also when the answer came from a replica already seen: the next call may
+                # reach the same one again, and a loop without a pause or a deadline would spin.
+                if time.perf_counter() > deadline:
                     raise TimeoutError(f"{deployment} revision {revision} not installed")
-                else:
-                    time.sleep(0.25)
+                time.sleep(0.25)
             return list(seen.values())
 
         def event(kind: str, slot_end: float) -> tuple[Window, dict[str, Any]]:
