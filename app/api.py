@@ -1,4 +1,4 @@
-"""HTTP models of the ranking API and the router's settings (pydantic, at the boundary).
+"""HTTP models of the ranking API (pydantic, at the boundary with the service's clients).
 
 The router validates a request exactly once, here; what travels on to the replicas is the
 compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n), which the replicas do
@@ -7,12 +7,12 @@ not validate again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, Final, NamedTuple
+from typing import Annotated, Any, Final
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.contracts import WireRequest
 from app.features import (
     CONTEXT_FIELDS,
     MAX_CANDIDATE_ID_CHARS,
@@ -20,7 +20,6 @@ from app.features import (
     NUM_FEATURES,
     encode_context,
 )
-from app.routing import BASIS_POINTS
 
 DEFAULT_TOP_N: Final = 10
 MAX_BODY_BYTES: Final = 8 << 20
@@ -66,56 +65,6 @@ class RankBody(BaseModel):
                 raise ValueError(f"candidates[{i}].id: duplicate id {cand.id!r}")
             seen.add(cand.id)
         return self
-
-
-class RankedOut(BaseModel):
-    id: str
-    score: float
-    label: str = ""
-
-
-class ModelInfo(BaseModel):
-    artifact_id: str
-    revision: int
-    cohort: str
-    runtime_build: str
-    replica: str
-
-
-class RankResponse(BaseModel):
-    ranking: list[RankedOut]
-    model: ModelInfo
-    failover: bool = False
-
-
-class ErrorBody(BaseModel):
-    error: str  # category: invalid_request, draining, overloaded, unavailable, not_found
-    detail: str
-    field: str | None = None
-
-
-class WireRequest(NamedTuple):
-    """What the router sends a replica for one request (pickled; kept compact)."""
-
-    candidate_ids: tuple[str, ...]
-    features: np.ndarray  # float32 [candidates, NUM_FEATURES]; NaN = missing
-    context: Mapping[str, str | int | float]
-    top_n: int
-
-
-class ModelMeta(NamedTuple):
-    artifact_id: str
-    revision: int
-    cohort: str
-    runtime_build: str
-    replica: str
-
-
-class WireAnswer(NamedTuple):
-    """A replica's answer to one handle call: one generation served the whole call."""
-
-    model: ModelMeta
-    rankings: list[list[tuple[str, float, str]]]  # per request: (id, score, label)
 
 
 class RequestInvalid(ValueError):
@@ -167,29 +116,6 @@ def to_wire(body: RankBody) -> WireRequest:
     # None -> NaN (missing); the model's preprocessing fills it. Finite values were checked.
     features = np.asarray([c.features for c in body.candidates], dtype=np.float32)
     return WireRequest(ids, features, body.context, body.top_n)
-
-
-class RouterConfig(BaseModel):
-    """The router's ``user_config``: changed live through ``reconfigure`` (no restart)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    canary_bp: Annotated[int, Field(ge=0, le=BASIS_POINTS)] = 0
-    salt: Annotated[str, Field(min_length=1, max_length=64)] = "ranker"
-    allow_cohort_header: bool = False
-    failover: bool = True
-    draining: bool = False
-    max_in_flight: Annotated[int, Field(ge=1)] = 512
-    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
-    request_timeout_s: Annotated[float, Field(gt=0)] = 30.0
-    # Coalescing: at most this many handle calls in flight per replica of a cohort (replicas
-    # as seen by the router's probes); requests that arrive meanwhile ride together in the
-    # next call (up to coalesce_max_batch of them). 1 measured best on 2 cores (bench/):
-    # the replica computes one batch at a time anyway, so a second call in flight only
-    # splits the next batch in two.
-    coalesce_calls_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
-    coalesce_max_batch: Annotated[int, Field(ge=1, le=1024)] = 64
-    probe_interval_s: Annotated[float, Field(gt=0)] = 1.0
 
 
 class ReplicaView(BaseModel):

@@ -38,8 +38,8 @@ from typing import Annotated, Any, Final, Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.api import ModelMeta, WireAnswer, WireRequest
 from app.cache import ArtifactCache, Lease
+from app.contracts import ModelMeta, WireAnswer, WireRequest
 from app.errors import ArtifactRejected, ConfigError
 from app.features import FEATURE_SCHEMA, RankRequest
 from app.generations import Generation, GenerationHolder, NotReady

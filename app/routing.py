@@ -15,14 +15,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
-BASIS_POINTS: Final = 10_000
-STABLE: Final = "stable"
-CANARY: Final = "canary"
-COHORTS: Final = (STABLE, CANARY)
-
-Cohort = Literal["stable", "canary"]
+from app.contracts import BASIS_POINTS, CANARY, COHORTS, STABLE, Cohort
 
 # The category of the error a replica raises when it has no model to serve (an idle pool or
 # a cleared target): app.replica.ReplicaNotReady and app.generations.NotReady.

@@ -1,6 +1,6 @@
 """The ranker replica as a Ray Serve deployment: a thin shell around app.replica.
 
-One class, bound twice by app.main as ``stable`` and ``canary``; they differ only in the
+One class, bound twice by deployments.app as ``stable`` and ``canary``; they differ only in the
 ``user_config`` they are given. The router calls ``rank`` with lists of already validated
 requests; ``__call__`` lets the deployment serve HTTP directly too (the benchmark's baseline).
 """
@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RequestInvalid, WireAnswer, WireRequest, parse_rank_body, to_wire
+from app.api import RequestInvalid, parse_rank_body, to_wire
+from app.contracts import WireAnswer, WireRequest
 from app.replica import (
     ControllerRef,
     InjectedFault,

@@ -33,18 +33,20 @@ from app.api import (
     CohortView,
     ReplicaView,
     RequestInvalid,
-    RouterConfig,
     StatusResponse,
-    WireAnswer,
-    WireRequest,
     parse_rank_body,
     to_wire,
 )
-from app.routing import (
+from app.contracts import (
     BASIS_POINTS,
     CANARY,
     COHORTS,
     STABLE,
+    RouterConfig,
+    WireAnswer,
+    WireRequest,
+)
+from app.routing import (
     CohortHealth,
     decide_route,
     parse_forced_cohort,
@@ -175,7 +177,7 @@ class Router:
     # ------------------------------------------------------------------ config
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        config = RouterConfig.model_validate(user_config)
+        config = RouterConfig.from_user_config(user_config)
         self._config = config
         for cohort in COHORTS:
             self._size_coalescer(cohort)

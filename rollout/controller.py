@@ -38,6 +38,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.contracts import BASIS_POINTS
 from app.errors import (
     InvalidState,
     NotFound,
@@ -68,7 +69,7 @@ from rollout.machine import (
     SetWeights,
 )
 from rollout.metrics import MetricsUnavailable, PromQLSource, RayScrapeSource, SnapshotWindows
-from rollout.plan import BASIS_POINTS, RolloutPlan
+from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.state import RolloutState, Weights
 

@@ -114,7 +114,7 @@ class LocalStack:
                     {
                         "name": APP,
                         "route_prefix": "/",
-                        "import_path": "app.main:build_app",
+                        "import_path": "deployments.app:build_app",
                         "args": app_args,
                     }
                 ]

@@ -27,9 +27,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
+from app.contracts import COHORTS
 from rollout.analysis import CohortStats, WindowStats
 
-COHORTS = ("stable", "canary")
 REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter")
 LATENCY_SERIES = telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram")
 OK_OUTCOME = "ok"

@@ -29,8 +29,6 @@ from pydantic import (
 
 from app.errors import ConfigError
 
-BASIS_POINTS: Final = 10_000
-
 # Defaults, in one place. configs/rollout.yaml repeats them and a unit test keeps the two equal.
 DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
 DEFAULT_INTERVAL_S: Final = 60.0

@@ -25,10 +25,10 @@ from typing import Any, Final
 
 import click
 
+from app.contracts import COHORTS
 from app.errors import ArtifactRejected, RevisionConflict, RolloutSystemError
 from app.manifest import is_sha256_hex
 from app.registry import (
-    COHORTS,
     DEFAULT_REGISTRY_URL,
     ArtifactRecord,
     AuditEntry,

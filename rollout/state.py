@@ -9,65 +9,16 @@ ever changed by ``rollout.machine.advance``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any, Final
 
+from app.contracts import BASIS_POINTS
+from app.contracts import RolloutPhase as Phase
 from app.errors import RolloutSystemError
 from rollout.analysis import Outcome
-from rollout.plan import BASIS_POINTS, RolloutPlan
+from rollout.plan import RolloutPlan
 
 STATE_SCHEMA_VERSION: Final = 1
 VERDICT_HISTORY: Final = 20  # verdicts kept in the state; the audit log keeps them all
-
-
-class Phase(StrEnum):
-    PENDING = "pending"
-    """Accepted and persisted; nothing in the cluster has been changed yet."""
-
-    PREPARING = "preparing"
-    """The canary pool has been given the candidate as its target and carries no traffic;
-    waiting until every canary replica reports the candidate loaded, verified and ready."""
-
-    PROGRESSING = "progressing"
-    """At ``step_index``: the canary pool is scaled for the step, then the router is given the
-    step's weights, then one analysis window per interval is judged until one passes."""
-
-    PAUSED = "paused"
-    """Held at a manual gate or by an operator's pause; the weights stay where they are and
-    windows are still judged (a failing canary is rolled back even while paused), but nothing
-    advances until ``resume`` or ``promote``. The progress deadline does not run."""
-
-    PROMOTING = "promoting"
-    """The stable pool is moving to the candidate: ``shift`` first puts the canary at 100%
-    then gives stable the candidate with no traffic; ``in_place`` gives stable the candidate
-    while it serves. Ends when every stable replica reports the candidate ready."""
-
-    FINALISING = "finalising"
-    """Stable serves the candidate; traffic is returned to stable 100% and, once the router
-    confirms it, the canary pool is cleared and scaled to its idle size."""
-
-    SUCCEEDED = "succeeded"
-    """Terminal: the candidate is the stable model and carries all traffic."""
-
-    ROLLED_BACK = "rolled_back"
-    """Terminal: the canary had traffic and was withdrawn (failed checks at the threshold, the
-    progress deadline, a canary replica failing, or an operator's rollback); stable serves the
-    baseline."""
-
-    FAILED = "failed"
-    """Terminal: the rollout could not be carried out (the candidate failed to load, replicas
-    never became ready, the stable pool could not take the candidate); stable serves the
-    baseline."""
-
-    ABORTED = "aborted"
-    """Terminal: an operator aborted the rollout; weights went back to stable first."""
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL
-
-
-_TERMINAL: Final = frozenset({Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.FAILED, Phase.ABORTED})
 
 
 class RolloutInProgress(RolloutSystemError):

@@ -6,8 +6,6 @@ Open one with :func:`open_registry`; the operations are those of :class:`Registr
 
 from app.registry.base import (
     ARTIFACT_STATES,
-    COHORTS,
-    TERMINAL_ROLLOUT_PHASES,
     ArtifactRecord,
     AuditEntry,
     Registry,
@@ -20,9 +18,7 @@ from app.registry.factory import DEFAULT_REGISTRY_URL, default_registry_url, ope
 
 __all__ = [
     "ARTIFACT_STATES",
-    "COHORTS",
     "DEFAULT_REGISTRY_URL",
-    "TERMINAL_ROLLOUT_PHASES",
     "ArtifactRecord",
     "AuditEntry",
     "Registry",

@@ -25,11 +25,10 @@ from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
 from app.artifact_store import fetch_manifest
+from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
 from app.manifest import is_sha256_hex
 from app.registry.base import (
-    COHORTS,
-    TERMINAL_ROLLOUT_PHASES,
     ArtifactRecord,
     ArtifactState,
     AuditEntry,

@@ -25,16 +25,8 @@ from typing import Any, Final, Literal, Protocol, Self
 from app.errors import ConsistencyError
 
 ArtifactState = Literal["pending", "ready", "rejected"]
-Cohort = Literal["stable", "canary"]
 
 ARTIFACT_STATES: Final[tuple[str, ...]] = ("pending", "ready", "rejected")
-COHORTS: Final[tuple[str, ...]] = ("stable", "canary")
-# Phases after which a rollout is finished: it no longer blocks a new rollout of the same
-# model + environment and refuses further updates. The registry stores phases as plain text;
-# these are the terminal names of rollout/state.py's Phase.
-TERMINAL_ROLLOUT_PHASES: Final[frozenset[str]] = frozenset(
-    {"succeeded", "rolled_back", "failed", "aborted"}
-)
 
 
 def utc_now() -> datetime:

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from app.api import (
     MAX_BODY_BYTES,
     RequestInvalid,
-    RouterConfig,
     parse_rank_body,
     to_wire,
 )
+from app.contracts import RouterConfig
 from app.features import MAX_CANDIDATES, NUM_FEATURES
 
 

@@ -1,0 +1,578 @@
+"""Every model that crosses a process boundary between the service's parts, in one module.
+
+Serve hands replicas and the router their ``user_config`` and the application builder its
+``args``; replicas push instance reports to the controller actor; the router sends replicas
+batches of validated requests; the controller actor answers the CLI. Each of those is one model
+here, so a change to the wire is a change to one definition, seen by both sides.
+
+Pure: pydantic and numpy only (no torch, no Ray, no database), so the torch-free controller and
+CLI read the same schema the replicas validate. Every model refuses unknown fields by name, and
+every number and string is bounded: a config or report that would make a process sleep for
+years, allocate without limit or print megabytes is refused where it arrives.
+
+The public HTTP API (request and response bodies of ``/v1/rank`` and ``/v1/status``) is the
+other contract, with clients outside the service: ``app.api``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal, NamedTuple, Self
+
+import numpy as np
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
+
+from app.errors import ConfigError
+from app.features import FEATURE_SCHEMA
+
+# --------------------------------------------------------------------------- vocabulary
+
+Cohort = Literal["stable", "canary"]
+STABLE: Final = "stable"
+CANARY: Final = "canary"
+COHORTS: Final[tuple[Cohort, Cohort]] = (STABLE, CANARY)
+
+# Weights are in basis points: 10 000 = 100%.
+BASIS_POINTS: Final = 10_000
+
+MiB: Final = 1 << 20
+GiB: Final = 1 << 30
+# Bounds shared by many fields: generous for any real deployment, small enough that a typo
+# (an extra zero group, seconds given as milliseconds) is refused rather than obeyed.
+MAX_BYTES: Final = 1 << 50  # 1 PiB
+MAX_REVISION: Final = (1 << 53) - 1  # exact in JSON numbers
+MAX_WALL_CLOCK: Final = 4_102_444_800.0  # 2100-01-01 in Unix seconds
+MAX_DURATION_S: Final = 7 * 24 * 3600.0
+
+
+def _lower(value: str) -> str:
+    return value.lower()
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Text = Annotated[str, StringConstraints(max_length=4000)]
+PathText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+Uri = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+Sha256 = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)
+]
+Revision = Annotated[int, Field(ge=1, le=MAX_REVISION)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
+WallClock = Annotated[float, Field(ge=0, le=MAX_WALL_CLOCK)]
+BasisPoints = Annotated[int, Field(ge=0, le=BASIS_POINTS)]
+
+
+class Contract(BaseModel):
+    """Frozen, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | Self, *, where: str) -> Self:
+        """Validate ``raw``; ConfigError names the first bad field as ``where.<path>``."""
+        if isinstance(raw, cls):
+            return raw
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            path = ".".join(str(p) for p in first.get("loc", ()))
+            field = f"{where}.{path}" if path else where
+            raise ConfigError(f"{field}: {first.get('msg')}", field=field) from None
+
+
+class ReplicaPhase(StrEnum):
+    """Where a replica stands with its desired target."""
+
+    IDLE = "idle"  # no target at all (an idle pool, or the target was cleared)
+    LOADING = "loading"  # working on its desired target (may still serve an older model)
+    BACKOFF = "backoff"  # waiting to retry after a transient failure
+    READY = "ready"  # serving its desired target
+    FAILED = "failed"  # gave up on the desired target; the previous generation serves
+
+
+class RolloutPhase(StrEnum):
+    PENDING = "pending"
+    """Accepted and persisted; nothing in the cluster has been changed yet."""
+
+    PREPARING = "preparing"
+    """The canary pool has been given the candidate as its target and carries no traffic;
+    waiting until every canary replica reports the candidate loaded, verified and ready."""
+
+    PROGRESSING = "progressing"
+    """At ``step_index``: the canary pool is scaled for the step, then the router is given the
+    step's weights, then one analysis window per interval is judged until one passes."""
+
+    PAUSED = "paused"
+    """Held at a manual gate or by an operator's pause; the weights stay where they are and
+    windows are still judged (a failing canary is rolled back even while paused), but nothing
+    advances until ``resume`` or ``promote``. The progress deadline does not run."""
+
+    PROMOTING = "promoting"
+    """The stable pool is moving to the candidate: ``shift`` first puts the canary at 100%
+    then gives stable the candidate with no traffic; ``in_place`` gives stable the candidate
+    while it serves. Ends when every stable replica reports the candidate ready."""
+
+    FINALISING = "finalising"
+    """Stable serves the candidate; traffic is returned to stable 100% and, once the router
+    confirms it, the canary pool is cleared and scaled to its idle size."""
+
+    SUCCEEDED = "succeeded"
+    """Terminal: the candidate is the stable model and carries all traffic."""
+
+    ROLLED_BACK = "rolled_back"
+    """Terminal: the canary had traffic and was withdrawn (failed checks at the threshold, the
+    progress deadline, a canary replica failing, or an operator's rollback); stable serves the
+    baseline."""
+
+    FAILED = "failed"
+    """Terminal: the rollout could not be carried out (the candidate failed to load, replicas
+    never became ready, the stable pool could not take the candidate); stable serves the
+    baseline."""
+
+    ABORTED = "aborted"
+    """Terminal: an operator aborted the rollout; weights went back to stable first."""
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.value in TERMINAL_ROLLOUT_PHASES
+
+
+# The registry stores phases as text: these names finish a rollout there.
+TERMINAL_ROLLOUT_PHASES: Final[frozenset[str]] = frozenset(
+    {"succeeded", "rolled_back", "failed", "aborted"}
+)
+
+OperatorCommandName = Literal["pause", "resume", "promote", "abort", "rollback"]
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class Target(Contract):
+    """What a cohort should serve: everything a replica needs to fetch and verify it.
+
+    ``revision`` grows with every change of the cohort's target (the registry's
+    compare-and-set), so it orders targets: replicas ignore a lower one."""
+
+    revision: Revision
+    artifact_id: Name
+    manifest_uri: Uri
+    manifest_sha256: Sha256
+    feature_schema: Name = FEATURE_SCHEMA
+
+    def same_artifact(self, other: Target) -> bool:
+        return (
+            self.artifact_id == other.artifact_id
+            and self.manifest_sha256 == other.manifest_sha256
+        )
+
+
+class PublishedTarget(Target):
+    """A target as the registry holds it for one (model, environment, cohort)."""
+
+    model: Name
+    environment: Name
+    cohort: Cohort
+    updated_at: Annotated[str, StringConstraints(max_length=64)]  # ISO-8601, UTC
+
+    def target(self) -> Target:
+        return Target.model_validate(self.model_dump(include=set(Target.model_fields)))
+
+
+# --------------------------------------------------------------------------- replica user_config
+
+
+class BatchingConfig(Contract):
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.002
+
+
+class MemoryConfig(Contract):
+    capacity_bytes: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None  # None: the device's
+    margin_bytes: Bytes = 256 * MiB
+    margin_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
+
+
+class LoadingConfig(Contract):
+    """How a background load shares the host with the requests being served."""
+
+    # The CPU share of one core each loading thread may take (app.load_pacing): hashing and
+    # dry-run forwards run in bursts of a few ms with pauses between them. 1 = unpaced. The
+    # startup load is never paced: the replica serves nothing until it is done.
+    cpu_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+
+
+class RetryConfig(Contract):
+    initial_s: Annotated[float, Field(gt=0, le=3600)] = 0.5
+    cap_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    max_attempts: Annotated[int, Field(ge=1, le=1000)] = 6
+
+
+class ControllerRef(Contract):
+    """The named Ray actor that replicas report to."""
+
+    name: Name
+    namespace: Name = "rollout"
+
+
+class FaultInjection(Contract):
+    """Test-only faults of a replica's rank calls, honoured only in a process whose
+    environment has ``ROLLOUT_FAULT_INJECTION=allow`` (elsewhere ignored and reported).
+
+    ``extra_latency_ms`` delays every rank call's answer (other calls keep running);
+    ``error_rate`` is the fraction of rank calls that fail.
+    """
+
+    extra_latency_ms: Annotated[float, Field(ge=0, le=600_000)] = 0.0
+    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
+
+
+class ReplicaConfig(Contract):
+    """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
+
+    cohort: Cohort
+    target: Target | None = None
+    batching: BatchingConfig = BatchingConfig()
+    memory: MemoryConfig = MemoryConfig()
+    loading: LoadingConfig = LoadingConfig()
+    retry: RetryConfig = RetryConfig()
+    trust_key: PathText | None = None  # the public key manifests must be signed with
+    controller: ControllerRef | None = None
+    cache_dir: PathText = "var/cache"
+    cache_byte_budget: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None
+    report_interval_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    faults: FaultInjection | None = None  # tests only; see FaultInjection
+
+    @classmethod
+    def from_user_config(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
+        return cls.parse(raw, where="user_config")
+
+    def with_target(self, target: Target | None) -> ReplicaConfig:
+        return self.model_copy(update={"target": target})
+
+
+# --------------------------------------------------------------------------- router user_config
+
+
+class RouterConfig(Contract):
+    """The router's ``user_config``: changed live through ``reconfigure`` (no restart)."""
+
+    canary_bp: BasisPoints = 0
+    salt: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "ranker"
+    allow_cohort_header: bool = False
+    failover: bool = True
+    draining: bool = False
+    max_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] = 512
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
+    request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # Coalescing: at most this many handle calls in flight per replica of a cohort (replicas
+    # as seen by the router's probes); requests that arrive meanwhile ride together in the
+    # next call (up to coalesce_max_batch of them). A replica computes one batch at a time,
+    # so a second call in flight mostly splits the next batch in two.
+    coalesce_calls_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
+    coalesce_max_batch: Annotated[int, Field(ge=1, le=1024)] = 64
+    probe_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+
+    @classmethod
+    def from_user_config(cls, raw: Mapping[str, Any] | RouterConfig) -> RouterConfig:
+        return cls.parse(raw, where="user_config")
+
+    def with_canary_bp(self, canary_bp: int) -> RouterConfig:
+        return RouterConfig.model_validate({**self.model_dump(), "canary_bp": canary_bp})
+
+
+# --------------------------------------------------------------------------- application args
+
+
+class CohortArgs(Contract):
+    """One ranker deployment (stable or canary)."""
+
+    num_replicas: Annotated[int, Field(ge=0, le=10_000)] = 1
+    num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25
+    num_gpus: Annotated[float, Field(ge=0, le=64)] = 0.0
+    memory_bytes: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None
+    target: Target | None = None
+    # Local configs only: name a demo artifact (e.g. "ranker-v41") instead of a target; it is
+    # created under ``demo_artifacts_dir`` when missing and served as ``demo_revision``.
+    demo_artifact: Name | None = None
+    demo_revision: Revision = 1
+    max_ongoing_requests: Annotated[int, Field(ge=1, le=100_000)] = 256
+    # Health checks do not run while reconfigure runs, and the startup load happens in
+    # reconfigure, so these only need to catch faults of a running replica.
+    health_check_period_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    health_check_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    graceful_shutdown_wait_loop_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
+    graceful_shutdown_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 20.0
+    faults: FaultInjection | None = None  # tests only; see FaultInjection
+
+
+class AppArgs(Contract):
+    """The Serve application's ``args`` (``deployments.app:build_app``)."""
+
+    stable: CohortArgs = CohortArgs()
+    canary: CohortArgs = CohortArgs(num_replicas=1)
+    router: RouterConfig = RouterConfig()
+    router_replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
+    router_num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25
+    router_max_ongoing_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+    # Shared replica settings.
+    cache_dir: PathText = "var/cache"
+    cache_byte_budget: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None
+    batching: BatchingConfig = BatchingConfig()
+    memory: MemoryConfig = MemoryConfig()
+    loading: LoadingConfig = LoadingConfig()
+    retry: RetryConfig = RetryConfig()
+    trust_key: PathText | None = None
+    controller: ControllerRef | None = None
+    report_interval_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    demo_artifacts_dir: PathText | None = None  # local only; see CohortArgs.demo_artifact
+    # "router": the full graph. "ranker_only": one stable ranker deployment serving HTTP
+    # itself, no router (the benchmark's baseline for the cost of the router hop).
+    mode: Literal["router", "ranker_only"] = "router"
+    # Serve's per-call access log line costs CPU on every request and every router probe.
+    access_log: bool = False
+
+
+# --------------------------------------------------------------------------- instance reports
+
+
+class ErrorInfo(Contract):
+    """A failure a replica reports: a refused candidate, or a refused config (``field``)."""
+
+    category: Name
+    message: Text
+    artifact_id: Name | None = None
+    revision: Revision | None = None
+    field: Annotated[str, StringConstraints(max_length=400)] | None = None
+
+    def describe(self) -> str:
+        return f"{self.category}: {self.message}"
+
+
+class LoadTimings(Contract):
+    """Seconds each stage of the last successful load took. The cache hashes while it
+    downloads (``download``), then fsyncs and publishes (``verify``; a cache hit only
+    re-checks); ``paced`` is the part of the stages above spent in pacing pauses."""
+
+    download: Seconds = 0.0
+    verify: Seconds = 0.0
+    load: Seconds = 0.0
+    dry_run: Seconds = 0.0
+    paced: Seconds = 0.0
+    install: Seconds | None = None
+
+
+class MemoryFigures(Contract):
+    """What a replica holds, what it could hold, and what loading the model it serves took
+    alone (its load's estimate, margin included): enough to tell whether a candidate fits
+    beside the resident model (an in-place promotion)."""
+
+    resident_bytes: Bytes = 0
+    capacity_bytes: Bytes | None = None
+    load_peak_bytes: Bytes | None = None
+
+
+class Capacity(Contract):
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+    device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
+    memory: MemoryFigures = MemoryFigures()
+
+
+class InstanceReport(Contract):
+    """What a replica tells the rollout controller, on change and every report interval."""
+
+    replica_id: Name
+    cohort: Cohort | None  # None until its first user_config
+    pid: Annotated[int, Field(ge=0, le=1 << 32)]
+    phase: ReplicaPhase
+    desired_revision: Revision | None = None
+    desired_artifact: Name | None = None
+    actual_revision: Revision | None = None
+    actual_artifact: Name | None = None
+    runtime_build: Annotated[str, StringConstraints(max_length=200)] | None = None
+    # The latest of the last load failure and the last refused (or partly ignored) config.
+    last_error: ErrorInfo | None = None
+    discarded_revisions: Annotated[tuple[Revision, ...], Field(max_length=1000)] = ()
+    timings: LoadTimings = LoadTimings()
+    # Wall clock at which the generation now serving was installed: "serving since", and
+    # where a load ends when latency traces are lined up with it.
+    installed_at: WallClock | None = None
+    capacity: Capacity = Capacity()
+    heartbeat: WallClock  # wall clock (time.time()) of the report
+    seq: Annotated[int, Field(ge=0, le=MAX_REVISION)]  # grows with every report of a replica
+    # The refused or partly ignored current user_config, if any (category "config", field).
+    config_error: ErrorInfo | None = None
+    # Fault injection in effect (tests only; None when off or not allowed here).
+    faults: FaultInjection | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.actual_revision is not None
+
+
+# --------------------------------------------------------------------------- the data path
+
+
+class WireRequest(NamedTuple):
+    """One validated rank request as the router hands it to a replica.
+
+    A NamedTuple, not a model: it is pickled once per request on the hot path, validated once
+    at the HTTP edge (``app.api``) and not again, and carries the features as one float32
+    matrix that the model consumes as it is."""
+
+    candidate_ids: tuple[str, ...]
+    features: np.ndarray  # float32 [candidates, features]; NaN = missing
+    context: Mapping[str, str | int | float]
+    top_n: int
+
+
+class ModelMeta(NamedTuple):
+    """Which model answered: on every answer, and in its headers."""
+
+    artifact_id: str
+    revision: int
+    cohort: str
+    runtime_build: str
+    replica: str
+
+
+class WireAnswer(NamedTuple):
+    """A replica's answer to one handle call: one generation served the whole call."""
+
+    model: ModelMeta
+    rankings: list[list[tuple[str, float, str]]]  # per request: (id, score, label)
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+class ControllerSettings(Contract):
+    """Where the controller actor finds everything (given to the actor when it is created)."""
+
+    registry_url: Uri
+    dashboard_url: Uri
+    model: Name = "ranker"
+    environment: Name = "default"
+    app_name: Name = "ranker"
+    router_deployment: Name = "router"
+    stable_deployment: Name = "stable"
+    canary_deployment: Name = "canary"
+    tick_interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
+    # Reports older than this do not count as a replica's state.
+    report_stale_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # Ray exports metrics with a delay (about a second at a 1 s report interval, several at
+    # the default 10 s): a window's first snapshot is taken at least this long after the
+    # weights went live, so no request routed under the previous weights is counted in it.
+    metrics_delay_s: Annotated[float, Field(ge=0, le=600)] = 2.0
+    # Empty: discover every node's metrics endpoint through Ray.
+    metrics_endpoints: Annotated[tuple[Uri, ...], Field(max_length=10_000)] = ()
+    prometheus_url: Uri | None = None  # set: use PromQL instead of scraping
+    actor: Name = "rollout-controller"  # who the audit log says moved a target
+
+
+class WeightsView(Contract):
+    stable_bp: BasisPoints
+    canary_bp: BasisPoints
+
+
+class HoldView(Contract):
+    since: WallClock
+    reason: Text
+
+
+class VerdictView(Contract):
+    step: Annotated[int, Field(ge=0, le=1000)]
+    outcome: Name
+    reasons: tuple[Text, ...] = ()
+
+
+class RolloutEvent(Contract):
+    """One entry of a rollout's event log (persisted with its state, shown by status)."""
+
+    key: Name | None = None  # an audit record's idempotency key: replays are dropped
+    event: Name
+    message: Text
+    at: WallClock
+    canary_bp: BasisPoints | None = None  # weight events
+
+
+class RolloutSummary(Contract):
+    """The rollout the controller drives; ``rollout`` None (and nothing else) when none."""
+
+    rollout: Name | None = None
+    model: Name | None = None
+    candidate: Name | None = None
+    baseline: Name | None = None
+    phase: RolloutPhase | None = None
+    finished: bool | None = None
+    step: Annotated[int, Field(ge=-1, le=1000)] | None = None  # -1 before the first step
+    step_percent: Annotated[float, Field(ge=0, le=100)] | None = None
+    steps: tuple[float, ...] = ()
+    weights: WeightsView | None = None
+    failed_checks: Annotated[int, Field(ge=0)] | None = None
+    reason: Text | None = None
+    pending_gate: Name | None = None
+    held: HoldView | None = None
+    verdicts: tuple[VerdictView, ...] = ()
+    events: tuple[RolloutEvent, ...] = ()
+
+
+class CommandAccepted(RolloutSummary):
+    queued: OperatorCommandName
+
+
+class ReplicaRow(Contract):
+    """One replica as ``rollout status`` lists it."""
+
+    replica: Name
+    cohort: Cohort | None
+    phase: ReplicaPhase
+    desired: Name | None
+    actual: Name | None
+    actual_revision: Revision | None
+    error: Text | None
+    age_s: float
+
+
+class CohortWindowView(Contract):
+    requests: Annotated[float, Field(ge=0)]
+    rps: Annotated[float, Field(ge=0)]
+    error_rate: Annotated[float, Field(ge=0, le=1)] | None
+    p50_ms: Annotated[float, Field(ge=0)] | None
+    p99_ms: Annotated[float, Field(ge=0)] | None
+
+
+class WindowView(Contract):
+    start: WallClock
+    end: WallClock
+    canary: CohortWindowView | None
+    stable: CohortWindowView | None
+
+
+class ControllerStatus(RolloutSummary):
+    """``rollout status``: the rollout, the registry's targets (None: the registry could not
+    be read), the replicas' last reports, the last metrics window, alerts and errors."""
+
+    targets: tuple[PublishedTarget, ...] | None = None
+    replicas: tuple[ReplicaRow, ...] = ()
+    last_window: WindowView | None = None
+    alerts: tuple[Text, ...] = ()
+    errors: tuple[Text, ...] = ()
+
+
+class ControllerPing(ControllerSettings):
+    """The controller actor is up: its process, ticks so far and the drift it repaired."""
+
+    pid: Annotated[int, Field(ge=0, le=1 << 32)]
+    ticks: Annotated[int, Field(ge=0)]
+    repaired: tuple[Text, ...] | None

@@ -1,0 +1,133 @@
+"""The application builder: the only place the deployment graph is bound.
+
+``build_app(args)`` takes validated ``AppArgs`` (``app.contracts``) and returns the Serve
+``Application``::
+
+    router (ingress) --> stable  (Ranker, cohort "stable")
+                     \\-> canary  (Ranker, cohort "canary")
+
+Stable and canary are two ``.options(name=...)`` copies of ONE replica class that differ only
+in their ``user_config``. Configs point Serve here with
+``import_path: deployments.app:build_app`` and pass ``args``; Serve validates them into
+``AppArgs`` (typed builder).
+
+Relative paths (cache, trust key, demo artifacts) are resolved against the project root, not
+the process's working directory: the builder and the replicas run in Ray worker processes whose
+working directory is not the one ``serve run`` was started from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+from ray.serve import Application
+
+from app.contracts import (
+    AppArgs,
+    Cohort,
+    CohortArgs,
+    FaultInjection,
+    ReplicaConfig,
+    Target,
+)
+from app.errors import ConfigError
+from deployments.ranker import Ranker
+from deployments.router import Router
+
+PROJECT_ROOT: Final = Path(__file__).resolve().parents[1]
+
+
+def project_path(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else PROJECT_ROOT / p
+
+
+def resolve_target(cohort: CohortArgs, args: AppArgs, field: str) -> Target | None:
+    if cohort.target is not None and cohort.demo_artifact is not None:
+        raise ConfigError(f"args.{field}: give target or demo_artifact, not both")
+    if cohort.demo_artifact is None:
+        return cohort.target
+    if args.demo_artifacts_dir is None:
+        raise ConfigError(f"args.{field}.demo_artifact needs args.demo_artifacts_dir")
+    from app.demo_artifacts import make_demo_artifacts  # local configs only (packs torch)
+
+    packed = {p.artifact_id: p for p in make_demo_artifacts(project_path(args.demo_artifacts_dir))}
+    found = packed.get(cohort.demo_artifact)
+    if found is None:
+        raise ConfigError(
+            f"args.{field}.demo_artifact: {cohort.demo_artifact!r} is not a demo artifact "
+            f"(known: {sorted(packed)})"
+        )
+    return Target(
+        revision=cohort.demo_revision,
+        artifact_id=found.artifact_id,
+        manifest_uri=found.manifest_uri,
+        manifest_sha256=found.manifest_sha256,
+    )
+
+
+def replica_config(
+    args: AppArgs,
+    cohort: Cohort,
+    target: Target | None,
+    faults: FaultInjection | None = None,
+) -> ReplicaConfig:
+    return ReplicaConfig(
+        cohort=cohort,
+        target=target,
+        batching=args.batching,
+        memory=args.memory,
+        loading=args.loading,
+        retry=args.retry,
+        trust_key=str(project_path(args.trust_key)) if args.trust_key else None,
+        controller=args.controller,
+        cache_dir=str(project_path(args.cache_dir)),
+        cache_byte_budget=args.cache_byte_budget,
+        report_interval_s=args.report_interval_s,
+        faults=faults,
+    )
+
+
+def _ranker_options(
+    name: str, cohort: CohortArgs, config: ReplicaConfig, access_log: bool
+) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": cohort.num_cpus}
+    if cohort.num_gpus:
+        actor["num_gpus"] = cohort.num_gpus
+    if cohort.memory_bytes:
+        actor["memory"] = cohort.memory_bytes
+    return {
+        "name": name,
+        "num_replicas": cohort.num_replicas,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": cohort.max_ongoing_requests,
+        "health_check_period_s": cohort.health_check_period_s,
+        "health_check_timeout_s": cohort.health_check_timeout_s,
+        "graceful_shutdown_wait_loop_s": cohort.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": cohort.graceful_shutdown_timeout_s,
+        "user_config": config.model_dump(mode="json"),
+        "logging_config": {"enable_access_log": access_log},
+    }
+
+
+def _ranker(args: AppArgs, cohort: Cohort) -> Application:
+    spec = args.stable if cohort == "stable" else args.canary
+    config = replica_config(args, cohort, resolve_target(spec, args, cohort), spec.faults)
+    return Ranker.options(**_ranker_options(cohort, spec, config, args.access_log)).bind()
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    if not isinstance(args, AppArgs):  # called directly with a plain dict
+        args = AppArgs.parse(args, where="args")
+    stable = _ranker(args, "stable")
+    if args.mode == "ranker_only":
+        return stable
+    return Router.options(
+        name="router",
+        num_replicas=args.router_replicas,
+        ray_actor_options={"num_cpus": args.router_num_cpus},
+        max_ongoing_requests=args.router_max_ongoing_requests,
+        user_config=args.router.model_dump(mode="json"),
+        logging_config={"enable_access_log": args.access_log},
+    ).bind(stable, _ranker(args, "canary"))
