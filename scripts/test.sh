@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a Debian machine with Python 3.11:
-# virtualenv + packages, PostgreSQL server binaries (Debian's package) when missing, then pytest.
+# virtualenv + packages, PostgreSQL server binaries (Debian's package) when missing, the style
+# checks (ruff check, ruff format --check), then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,10 @@ if [ ! -x /usr/bin/prometheus ]; then
         trap - EXIT
     fi
 fi
+
+# The style the code promises, checked before any test runs: lint rules and formatting.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 
 export PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -1,0 +1,103 @@
+"""The layering the code promises, checked on the code itself.
+
+- app/ is the domain core: it imports neither deployments/ nor rollout/ nor Ray, not even
+  lazily inside a function (checked on the source), and importing all of it loads no Ray
+  (checked in a fresh interpreter, so a transitive import counts too).
+- The pure modules (manifest, generations, contracts, plan, state, machine, analysis) load no
+  Ray, no torch and no database driver when imported on their own, in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "app"
+CORE_MUST_NOT_IMPORT = ("ray", "deployments", "rollout")
+PURE_MODULES = (
+    "app.manifest",
+    "app.generations",
+    "app.contracts",
+    "rollout.plan",
+    "rollout.state",
+    "rollout.machine",
+    "rollout.analysis",
+)
+PURE_MUST_NOT_LOAD = ("ray", "torch", "psycopg", "psycopg_pool", "sqlite3", "_sqlite3")
+
+
+def imported_roots(source: str) -> set[str]:
+    """Top-level package names a module's source imports, at any depth of the code."""
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def loaded_after_import(module: str) -> list[str]:
+    """Top-level packages in sys.modules after importing ``module`` in a fresh interpreter."""
+    code = (
+        "import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+        "print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def core_modules() -> list[str]:
+    names = []
+    for path in sorted(CORE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_the_scan_sees_imports_at_any_depth() -> None:
+    source = "import os\n\ndef f():\n    from ray import serve\n    import rollout.machine\n"
+    assert imported_roots(source) == {"os", "ray", "rollout"}
+
+
+@pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_core_module_source_imports_no_outer_layer_or_ray(path: Path) -> None:
+    bad = imported_roots(path.read_text()) & set(CORE_MUST_NOT_IMPORT)
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: app/ is the core"
+
+
+def test_importing_the_whole_core_loads_no_ray() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        "for name in sys.argv[1:]: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *core_modules()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not loaded & set(CORE_MUST_NOT_IMPORT), sorted(loaded & set(CORE_MUST_NOT_IMPORT))
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_module_loads_no_ray_torch_or_database(module: str) -> None:
+    bad = set(loaded_after_import(module)) & set(PURE_MUST_NOT_LOAD)
+    assert not bad, f"importing {module} loads {sorted(bad)}"
