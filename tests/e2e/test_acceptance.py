@@ -11,8 +11,6 @@ reasons. Every scenario starts with stable on ranker-v41 and no rollout, and end
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -452,30 +450,6 @@ def test_drain_and_scale_down_during_a_shift_lose_no_retried_request(scenario: S
 # 8. The registry (PostgreSQL) goes down mid-rollout and comes back.
 
 
-def _pg_ctl(server: postgres.PostgresServer, *args: str) -> None:
-    cmd = [str(server.bindir / "pg_ctl"), "-D", str(server.data_dir), *args]
-    if os.geteuid() == 0:
-        cmd = ["runuser", "-u", server.user, "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, f"pg_ctl {args}: {done.stderr}\n{server.log_tail()}"
-
-
-def _pg_stop(server: postgres.PostgresServer) -> None:
-    _pg_ctl(server, "-m", "fast", "-w", "stop")
-
-
-def _pg_start(server: postgres.PostgresServer) -> None:
-    options = (
-        f"-p {server.port} -k {server.root} -c listen_addresses={server.host} -c fsync=off "
-        "-c max_connections=200 -c autovacuum=off"
-    )
-    _pg_ctl(server, "-l", str(server.log_file), "-w", "-t", "60", "-o", options, "start")
-
-
-def _pg_running(server: postgres.PostgresServer) -> bool:
-    return (server.data_dir / "postmaster.pid").exists()
-
-
 def mirror_targets(source: Registry, dest: Registry, artifacts_ids: tuple[str, str]) -> None:
     """Bring ``dest``'s targets up to ``source``'s revisions, ending on the same artifacts
     (publishing the two artifacts alternately): replicas ignore lower revisions than they
@@ -516,8 +490,8 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.kill_controller()
 
     def restore() -> None:
-        if not _pg_running(server):
-            _pg_start(server)
+        if not server.is_running():
+            server.start()
         handle = get_controller()
         if handle is not None:
             ray.kill(handle, no_restart=True)
@@ -545,7 +519,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     )
     s.when.wait_for_phase("progressing")
     ticks = ray.get(get_controller().ping.remote(), timeout=30)["ticks"]
-    _pg_stop(server)
+    server.stop()
     s.mark("registry down")
     down_at = time.monotonic()
     # Two ticks end while it is down (at least one ran wholly without the registry), and the
@@ -563,7 +537,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.wait_for_answers(
         "serving while the registry is down", lambda r: r.status == 200, after="registry down"
     )
-    _pg_start(server)
+    server.start()
     s.mark("registry back")
     # This process's own pool held connections the restart cut: reads fail until replaced.
     s.when.wait_until("registry answering again", lambda: pg.list_targets("ranker", "default"))
