@@ -56,7 +56,8 @@ def main() -> None:
     # this process by the local cluster).
     os.environ["ROLLOUT_FAULT_INJECTION"] = "allow"
 
-    from rollout.local_stack import APP, CANDIDATE, LocalStack, wait_until
+    from app.polling import wait_until
+    from rollout.local_stack import APP, CANDIDATE, LocalStack
     from rollout.traffic import TrafficRun, TrafficSpec
 
     failed = total = 0
@@ -74,13 +75,16 @@ def main() -> None:
                 for mode in ("operator", "automatic"):
                     stack.call("start_rollout", CANDIDATE, PLAN, "bench")
                     wait_until(
-                        lambda: stack.call("status").get("phase") == "paused", 120, "paused", POLL_S
+                        lambda: stack.call("status").get("phase") == "paused",
+                        120,
+                        "paused",
+                        every=POLL_S,
                     )
                     wait_until(
                         lambda: any(r.cohort == "canary" for r in run.records[-20:]),
                         30,
                         "canary answering",
-                        POLL_S,
+                        every=POLL_S,
                     )
                     if mode == "operator":
                         asked = run.now_s()
@@ -89,7 +93,7 @@ def main() -> None:
                             lambda a=asked: stable_only_since(run.records, a),
                             60,
                             "stable only",
-                            POLL_S,
+                            every=POLL_S,
                         )
                         operator_s.append(done - asked)
                     else:
@@ -101,7 +105,7 @@ def main() -> None:
                             lambda: next((r.start_s for r in run.records if r.failover), None),
                             30,
                             "fault seen by a client",
-                            POLL_S,
+                            every=POLL_S,
                         )
 
                         # Failover already answers every request from stable, so clients
@@ -118,14 +122,17 @@ def main() -> None:
                                 None,
                             )
 
-                        done = wait_until(withdrawn, 90, "automatic rollback", POLL_S)
+                        done = wait_until(withdrawn, 90, "automatic rollback", every=POLL_S)
                         automatic_s.append(done - seen)
                         canary = control.current_user_config(APP, "canary") or {}
                         canary.pop("faults", None)
                         control.update_deployment(APP, "canary", user_config=canary)
                     try:
                         wait_until(
-                            lambda: stack.call("status").get("finished"), 60, "finished", POLL_S
+                            lambda: stack.call("status").get("finished"),
+                            60,
+                            "finished",
+                            every=POLL_S,
                         )
                     except TimeoutError:
                         view = stack.call("status")

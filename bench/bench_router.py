@@ -40,7 +40,6 @@ import asyncio
 import itertools
 import json
 import multiprocessing
-import os
 import random
 import shutil
 import statistics
@@ -56,12 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp
 import numpy as np
-import ray
 
 from app.demo_artifacts import DEMO_PARAMS, make_demo_artifacts
 from app.features import NUM_FEATURES
-from rollout.local_cluster import free_port
-from rollout.serve_control import ServeControl
+from app.polling import wait_until
+from rollout.local_cluster import LocalCluster
 from tests.artifacts import pack_ranker
 
 MAX_REQUESTS_PER_PHASE = 20_000
@@ -158,19 +156,6 @@ def summarize(latencies: list[float], elapsed: float) -> dict[str, float]:
         return {"rps": 0.0, "p50": float("nan"), "p99": float("nan"), "n": 0}
     q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
     return {"rps": len(ms) / elapsed, "p50": q[49], "p99": q[98], "n": len(ms)}
-
-
-def wait_for(predicate, timeout: float, desc: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception as exc:
-            last = exc
-        time.sleep(0.2)
-    raise TimeoutError(f"{desc}: {last!r}")
 
 
 def target(packed: Any, revision: int) -> dict[str, Any]:
@@ -318,17 +303,11 @@ def main() -> int:
             for i in range(loads)
         ],
     }
-    http_port, dash_port = free_port(), free_port()
-    os.environ["RAY_GCS_SERVER_PORT"] = str(free_port())
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=True,
-        dashboard_port=dash_port,
-        _metrics_export_port=free_port(),
-        log_to_driver=False,
-    )
-    rest = ServeControl(f"http://127.0.0.1:{dash_port}")
+    # Ray and Serve on free ports (GCS, dashboard, metrics, HTTP); Ray's own metrics report
+    # interval (10 s), not LocalCluster's 1 s for the tests: the bench measures latency, and
+    # nothing here reads the metrics.
+    cluster = LocalCluster.start(num_cpus=4, metrics_report_interval_ms=10_000)
+    rest = cluster.serve_control()
     clients: ProcessPoolExecutor | None = None
     try:
         from ray import serve
@@ -342,42 +321,36 @@ def main() -> int:
             "num_cpus": 0.1,
             "target": target(demo["ranker-v41"], 1),
         }
-        config = {
-            "http_options": {"host": "127.0.0.1", "port": http_port},
-            "proxy_location": "HeadOnly",
-            "applications": [
-                {
-                    "name": "routed",
-                    "route_prefix": "/routed",
-                    "import_path": "app.main:build_app",
-                    "args": {
-                        **common,
-                        "stable": cohort,
-                        "canary": {"num_replicas": 1, "num_cpus": 0.1},
-                        "router": router,
-                    },
+        applications = [
+            {
+                "name": "routed",
+                "route_prefix": "/routed",
+                "import_path": "app.main:build_app",
+                "args": {
+                    **common,
+                    "stable": cohort,
+                    "canary": {"num_replicas": 1, "num_cpus": 0.1},
+                    "router": router,
                 },
-                {
-                    "name": "direct",
-                    "route_prefix": "/direct",
-                    "import_path": "app.main:build_app",
-                    "args": {**common, "stable": cohort, "mode": "ranker_only"},
-                },
-            ],
-        }
-        wait_for(lambda: rest.details() is not None, 60, "dashboard up")
-        rest.apply(config)
-        wait_for(
-            lambda: all(rest.app_status(a) == "RUNNING" for a in ("routed", "direct")),
-            180,
-            "apps running",
+            },
+            {
+                "name": "direct",
+                "route_prefix": "/direct",
+                "import_path": "app.main:build_app",
+                "args": {**common, "stable": cohort, "mode": "ranker_only"},
+            },
+        ]
+        wait_until(
+            lambda: rest.details() is not None, 60, "dashboard up", every=0.2, retry_on=(Exception,)
         )
+        # One proxy, on the head node: the only node of this cluster.
+        cluster.deploy(applications, timeout_s=180)
         handles = {
             name: serve.get_deployment_handle(name, app_name="routed")
             for name in ("stable", "canary")
         }
         replicas = {"stable": args.stable_replicas, "canary": 1}
-        base = f"http://127.0.0.1:{http_port}"
+        base = cluster.http_url
         payloads = [body(args.candidates, seed) for seed in range(64)]
         routes = {"router": f"{base}/routed/v1/rank", "direct": f"{base}/direct/v1/rank"}
         # Traffic runs in its own process: the control-plane calls of this one (the REST PUT,
@@ -402,21 +375,18 @@ def main() -> int:
             """Every replica's report once all have installed ``revision``; each call reaches
             one replica, so keep asking until each has answered."""
             seen: dict[str, dict[str, Any]] = {}
-            deadline = time.perf_counter() + timeout
-            while len(seen) < replicas[deployment]:
+
+            def all_seen() -> list[dict[str, Any]] | None:
                 report = handles[deployment].status.remote().result(timeout_s=10)
-                if report["phase"] == "failed":
+                if report["phase"] == "failed":  # not retried: ends the wait at once
                     raise RuntimeError(f"candidate failed to load: {report['last_error']}")
                 if report["actual_revision"] == revision:
                     seen[report["replica_id"]] = report
-                    if len(seen) == replicas[deployment]:
-                        break
-                # Also when the answer came from a replica already seen: the next call may
-                # reach the same one again, and a loop without a pause or a deadline would spin.
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"{deployment} revision {revision} not installed")
-                time.sleep(0.25)
-            return list(seen.values())
+                return list(seen.values()) if len(seen) == replicas[deployment] else None
+
+            # A pause after every answer, also one from a replica already seen: the next call
+            # may reach the same one again.
+            return wait_until(all_seen, timeout, f"{deployment} revision {revision} installed")
 
         def event(kind: str, slot_end: float) -> tuple[Window, dict[str, Any]]:
             length = statistics.median(swap_lengths) if swap_lengths else 1.0
@@ -584,12 +554,9 @@ def main() -> int:
         if clients is not None:
             clients.shutdown()
         rest.close()
-        from ray import serve
-
         try:
-            serve.shutdown()
+            LocalCluster.stop()
         finally:
-            ray.shutdown()
             shutil.rmtree(work, ignore_errors=True)
     return 0
 

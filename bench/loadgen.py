@@ -3,7 +3,9 @@
 Open loop (``--rate``: requests start on a fixed schedule whatever the answers do) or closed
 loop (``--concurrency`` workers, no ``--rate``). Loopback targets only; bounded by
 ``--requests`` and ``--seconds``. Records every request (start, latency, status, cohort,
-artifact, revision, user key) into a JSON file and draws a timeline picture.
+artifact, revision, user key) into a JSON file and draws a timeline picture. A plain client
+by default (every non-2xx counted as it came); ``--retries N``: app/client.py's retrying client
+(429/5xx and connection errors retried up to N times, Retry-After honoured).
 
     .venv/bin/python bench/loadgen.py --url http://127.0.0.1:8000 --rate 50 --seconds 30
     .venv/bin/python bench/loadgen.py --url http://127.0.0.1:8000 --concurrency 16 --seconds 30
@@ -16,6 +18,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from app.client import RetryPolicy
 from rollout.traffic import TrafficRun, TrafficSpec, plot_timeline, summarize, write_records
 
 
@@ -28,6 +31,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="upper bound")
     parser.add_argument("--users", type=int, default=1000)
     parser.add_argument("--candidates", type=int, default=20)
+    parser.add_argument(
+        "--retries", type=int, default=0, help="retries per call (0: a plain client)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/loadgen"))
     args = parser.parse_args()
 
@@ -40,6 +46,7 @@ def main() -> None:
             max_seconds=args.seconds,
             users=args.users,
             candidates=args.candidates,
+            retry=RetryPolicy(max_attempts=args.retries + 1) if args.retries else None,
         )
     )
     records = run.start().join()

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.polling import WaitTimeout, wait_until
 from rollout.serve_control import ServeControl
 
 
@@ -81,18 +81,26 @@ class LocalCluster:
                     "applications": applications,
                 }
             )
-            deadline = time.monotonic() + timeout_s
             names = [app["name"] for app in applications]
-            while True:
-                apps = control.details().get("applications") or {}
-                statuses = {name: (apps.get(name) or {}).get("status") for name in names}
-                if all(status == "RUNNING" for status in statuses.values()):
-                    return
-                failed = {n: s for n, s in statuses.items() if s == "DEPLOY_FAILED"}
-                if failed or time.monotonic() > deadline:
-                    messages = {n: (apps.get(n) or {}).get("message") for n in names}
-                    raise RuntimeError(f"deploy did not come up: {statuses} {messages}")
-                time.sleep(0.25)
+            apps: dict[str, Any] = {}
+
+            def not_up() -> RuntimeError:
+                statuses = {n: (apps.get(n) or {}).get("status") for n in names}
+                messages = {n: (apps.get(n) or {}).get("message") for n in names}
+                return RuntimeError(f"deploy did not come up: {statuses} {messages}")
+
+            def running() -> bool:
+                apps.clear()
+                apps.update(control.details().get("applications") or {})
+                statuses = [(apps.get(name) or {}).get("status") for name in names]
+                if "DEPLOY_FAILED" in statuses:  # not in retry_on: ends the wait at once
+                    raise not_up()
+                return all(status == "RUNNING" for status in statuses)
+
+            try:
+                wait_until(running, timeout_s, f"applications {names} RUNNING")
+            except WaitTimeout:
+                raise not_up() from None
         finally:
             control.close()
 

@@ -1,13 +1,19 @@
 """Synthetic ranking traffic against a local service, recorded request by request.
 
-Used by ``rollout demo``, the acceptance tests and bench/. Bounded in count and in time, and
-loopback only: the target must be 127.0.0.0/8, ``localhost`` or ``[::1]``.
+Used by ``rollout demo``, the e2e tests, bench/loadgen.py (its command line) and the other
+benches. Bounded in count and in time, and loopback only: the target must be 127.0.0.0/8,
+``localhost`` or ``[::1]``.
 
 Two modes: open loop (requests start on a fixed schedule, ``rate`` per second, whatever the
 answers do; late starts are recorded) and closed loop (``concurrency`` workers, each sending
 its next request when the previous answer came back). Every request is recorded: start time,
-latency, status, the cohort/artifact/revision that answered, and the user key, so shares,
-switches and failures can be counted afterwards.
+latency, status, the cohort/artifact/revision/replica that answered, and the user key, so
+shares, switches and failures can be counted afterwards.
+
+Two clients: a plain one (the default: one attempt per request, every non-2xx recorded as it
+came) and, with ``TrafficSpec.retry``, app/client.py's retrying client (429/5xx answers and
+connection errors retried, ``Retry-After`` honoured); a record is then one call, with the
+attempts it took.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from app.client import AsyncRankerClient, RankerHTTPError, RetriesExhausted, RetryPolicy
 from app.features import CONTEXT_FIELDS, NUM_FEATURES
 
 
@@ -35,13 +42,15 @@ from app.features import CONTEXT_FIELDS, NUM_FEATURES
 class RequestRecord:
     start_s: float  # since the run began
     latency_ms: float
-    status: int  # 0: no HTTP answer (connection error, timeout)
+    status: int  # 0: no HTTP answer (connection error, timeout; a retrying client gave up)
     user: str
     cohort: str | None = None
     artifact_id: str | None = None
     revision: int | None = None
     failover: bool = False
     error: str | None = None
+    replica: str | None = None
+    attempts: int = 1  # HTTP attempts of the call (more than 1 only with a retrying client)
 
 
 @dataclass
@@ -52,10 +61,13 @@ class TrafficSpec:
     max_requests: int = 10_000
     max_seconds: float = 60.0
     users: int = 1000
+    user_prefix: str = "user"  # user keys are f"{user_prefix}-{n}", 0 <= n < users
     candidates: int = 20
     top_n: int = 10
     seed: int = 7
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # per HTTP attempt
+    # None: a plain client. Else app.client.AsyncRankerClient with this policy.
+    retry: RetryPolicy | None = None
 
 
 def check_loopback(url: str) -> None:
@@ -89,6 +101,9 @@ def _request_bodies(spec: TrafficSpec, count: int = 64) -> list[tuple[bytes, byt
         )
         bodies.append((b'{"user_id":"', b'",' + rest[1:].encode()))
     return bodies
+
+
+_Client = httpx.AsyncClient | AsyncRankerClient
 
 
 class TrafficRun:
@@ -134,9 +149,14 @@ class TrafficRun:
         limits = httpx.Limits(
             max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency
         )
-        async with httpx.AsyncClient(
-            base_url=spec.url, timeout=spec.timeout_s, limits=limits
-        ) as client:
+        client: _Client
+        if spec.retry is None:
+            client = httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout_s, limits=limits)
+        else:
+            client = AsyncRankerClient(
+                spec.url, policy=spec.retry, timeout_s=spec.timeout_s, limits=limits
+            )
+        async with client:
             self.started_at = time.time()
             t0 = time.monotonic()
             deadline = t0 + spec.max_seconds
@@ -155,11 +175,11 @@ class TrafficRun:
         self._sent += 1
         return True
 
-    async def _closed_worker(self, client: httpx.AsyncClient, t0: float, deadline: float) -> None:
+    async def _closed_worker(self, client: _Client, t0: float, deadline: float) -> None:
         while time.monotonic() < deadline and self._take():
             await self._one(client, t0)
 
-    async def _open_loop(self, client: httpx.AsyncClient, t0: float, deadline: float) -> None:
+    async def _open_loop(self, client: _Client, t0: float, deadline: float) -> None:
         assert self.spec.rate is not None
         interval = 1.0 / self.spec.rate
         in_flight: set[asyncio.Task[None]] = set()
@@ -180,46 +200,74 @@ class TrafficRun:
         if in_flight:
             await asyncio.gather(*in_flight)
 
-    async def _one(self, client: httpx.AsyncClient, t0: float) -> None:
-        user = f"user-{self._rng.randrange(self.spec.users)}"
+    async def _one(self, client: _Client, t0: float) -> None:
+        user = f"{self.spec.user_prefix}-{self._rng.randrange(self.spec.users)}"
         prefix, suffix = self._bodies[self._rng.randrange(len(self._bodies))]
+        content = prefix + user.encode() + suffix
         started = time.monotonic()
+        if isinstance(client, AsyncRankerClient):
+            record = await self._call(client, content, user, started, t0)
+        else:
+            record = await self._post(client, content, user, started, t0)
+        self.records.append(record)
+
+    @staticmethod
+    async def _post(
+        client: httpx.AsyncClient, content: bytes, user: str, started: float, t0: float
+    ) -> RequestRecord:
+        """One attempt with the plain client."""
+        start_s = started - t0
         try:
             response = await client.post(
-                "/v1/rank",
-                content=prefix + user.encode() + suffix,
-                headers={"content-type": "application/json"},
+                "/v1/rank", content=content, headers={"content-type": "application/json"}
             )
         except httpx.HTTPError as exc:
-            self.records.append(
-                RequestRecord(
-                    started - t0, (time.monotonic() - started) * 1e3, 0, user, error=repr(exc)
-                )
+            return RequestRecord(
+                start_s, (time.monotonic() - started) * 1e3, 0, user, error=repr(exc)
             )
-            return
         latency = (time.monotonic() - started) * 1e3
-        model: dict[str, Any] = {}
-        failover = False
-        error = None
         if response.status_code == 200:
-            body = response.json()
-            model = body.get("model") or {}
-            failover = bool(body.get("failover"))
-        else:
-            error = response.text[:300]
-        self.records.append(
-            RequestRecord(
-                started - t0,
-                latency,
-                response.status_code,
-                user,
-                cohort=model.get("cohort"),
-                artifact_id=model.get("artifact_id"),
-                revision=model.get("revision"),
-                failover=failover,
-                error=error,
-            )
+            return _answered(start_s, latency, response.status_code, user, response.json())
+        return RequestRecord(
+            start_s, latency, response.status_code, user, error=response.text[:300]
         )
+
+    @staticmethod
+    async def _call(
+        client: AsyncRankerClient, content: bytes, user: str, started: float, t0: float
+    ) -> RequestRecord:
+        """One call with the retrying client, its retries included."""
+        start_s = started - t0
+        try:
+            result = await client.rank(json.loads(content))
+        except RetriesExhausted as exc:
+            latency = (time.monotonic() - started) * 1e3
+            return RequestRecord(start_s, latency, 0, user, error=str(exc), attempts=exc.attempts)
+        except Exception as exc:  # a non-retryable answer (RankerHTTPError) or another error
+            latency = (time.monotonic() - started) * 1e3
+            status = exc.status if isinstance(exc, RankerHTTPError) else 0
+            return RequestRecord(start_s, latency, status, user, error=repr(exc))
+        latency = (time.monotonic() - started) * 1e3
+        return _answered(start_s, latency, result.status, user, result.body, result.attempts)
+
+
+def _answered(
+    start_s: float, latency_ms: float, status: int, user: str, body: Any, attempts: int = 1
+) -> RequestRecord:
+    """The record of a 2xx answer, from its body: who answered, and whether by failover."""
+    model: dict[str, Any] = body.get("model") or {}
+    return RequestRecord(
+        start_s,
+        latency_ms,
+        status,
+        user,
+        cohort=model.get("cohort"),
+        artifact_id=model.get("artifact_id"),
+        revision=model.get("revision"),
+        failover=bool(body.get("failover")),
+        replica=model.get("replica"),
+        attempts=attempts,
+    )
 
 
 # ---------------------------------------------------------------------- analysis

@@ -6,6 +6,9 @@ directory, ``fsync=off``. As root, PostgreSQL refuses to run, so every server bi
 through ``runuser -u postgres``; pytest's own tmp dirs (mode 0700) are unreachable for that
 user, hence the dedicated directory. Missing binaries are an error, never a skip: a registry
 suite that silently skips its production backend proves nothing.
+
+The server object also stops and starts again on the same data directory, port and socket
+(``stop``/``start``/``is_running``): a test stages a registry outage with it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ _START_TIMEOUT_S = 60
 
 
 class PostgresUnavailable(RuntimeError):
-    """PostgreSQL server binaries are not installed, or the server would not start."""
+    """PostgreSQL server binaries are not installed, or the server would not start or stop."""
 
 
 def find_bindir() -> Path:
@@ -95,6 +98,35 @@ class PostgresServer:
         except OSError:
             return "<no log>"
 
+    def start(self) -> None:
+        """Start the server on its data directory (initdb'd by :func:`start_server`); waits
+        until it accepts connections."""
+        # autovacuum off: a worker connected to a template database makes CREATE DATABASE ...
+        # TEMPLATE wait for it, and a throwaway server never lives long enough to need it.
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses={self.host} -c fsync=off "
+            "-c max_connections=200 -c autovacuum=off"
+        )
+        self._pg_ctl(
+            "start", "-l", str(self.log_file), "-w", "-t", str(_START_TIMEOUT_S), "-o", options
+        )
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: open sessions are cut); its data directory stays,
+        for :meth:`start`."""
+        self._pg_ctl("stop", "-m", "fast", "-w")
+
+    def is_running(self) -> bool:
+        return (self.data_dir / "postmaster.pid").exists()
+
+    def _pg_ctl(self, action: str, *args: str) -> None:
+        done = _as_server_user(self.bindir, "pg_ctl", "-D", str(self.data_dir), *args, action)
+        if done.returncode != 0:
+            raise PostgresUnavailable(
+                f"pg_ctl {action} failed ({done.returncode}): {done.stderr}\n"
+                f"server log:\n{self.log_tail()}"
+            )
+
 
 def _as_server_user(bindir: Path, tool: str, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [str(bindir / tool), *args]
@@ -117,27 +149,17 @@ def start_server() -> PostgresServer:
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         raise PostgresUnavailable(f"initdb failed ({init.returncode}):\n{init.stderr}")
-    # autovacuum off: a worker connected to a template database makes CREATE DATABASE ...
-    # TEMPLATE wait for it, and a throwaway server never lives long enough to need it.
-    options = (
-        f"-p {server.port} -k {root} -c listen_addresses={server.host} -c fsync=off "
-        "-c max_connections=200 -c autovacuum=off"
-    )
-    start = _as_server_user(
-        bindir, "pg_ctl", "-D", str(server.data_dir), "-l", str(server.log_file), "-w",
-        "-t", str(_START_TIMEOUT_S), "-o", options, "start",
-    )  # fmt: skip
-    if start.returncode != 0:
-        tail = server.log_tail()
+    try:
+        server.start()
+    except PostgresUnavailable:
         shutil.rmtree(root, ignore_errors=True)
-        raise PostgresUnavailable(
-            f"pg_ctl start failed ({start.returncode}): {start.stderr}\nserver log:\n{tail}"
-        )
+        raise
     return server
 
 
 def stop_server(server: PostgresServer) -> None:
-    """Stop exactly the server this module started (by its data directory), then remove it."""
+    """Stop exactly the server this module started (by its data directory; nothing to stop if
+    a test stopped it already), then remove it."""
     _as_server_user(server.bindir, "pg_ctl", "-D", str(server.data_dir), "-m", "fast", "-w", "stop")
     shutil.rmtree(server.root, ignore_errors=True)
 

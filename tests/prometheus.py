@@ -16,7 +16,6 @@ import copy
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from app.polling import WaitTimeout, wait_until
 from rollout.local_cluster import free_port
 
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")
@@ -122,18 +122,23 @@ def _launch(binary: Path, root: Path, config: dict[str, Any]) -> PrometheusServe
             cwd=root,
         )
     server = PrometheusServer(root=root, port=port, process=process)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while not _ready(server):
-        if process.poll() is not None:
+
+    def ready() -> bool:
+        if _ready(server):
+            return True
+        if process.poll() is not None:  # not in retry_on: ends the wait at once
             raise PrometheusUnavailable(
                 f"prometheus exited with {process.returncode} on port {port}:\n{server.log_tail()}"
             )
-        if time.monotonic() > deadline:
-            _terminate(process)
-            raise PrometheusUnavailable(
-                f"prometheus not ready after {_START_TIMEOUT_S}s:\n{server.log_tail()}"
-            )
-        time.sleep(0.1)  # polling interval of the readiness check
+        return False
+
+    try:
+        wait_until(ready, _START_TIMEOUT_S, f"prometheus ready on port {port}", every=0.1)
+    except WaitTimeout:
+        _terminate(process)
+        raise PrometheusUnavailable(
+            f"prometheus not ready after {_START_TIMEOUT_S}s:\n{server.log_tail()}"
+        ) from None
     return server
 
 

@@ -1,7 +1,7 @@
 """Given / When / Then over one acceptance scenario (STYLE.md section 3, after Argo Rollouts'
 test fixtures).
 
-A ``Scenario`` holds what one scenario knows: the rollout environment (tests/e2e/rollout_env.py),
+A ``Scenario`` holds what one scenario knows: the rollout environment (tests/e2e/harness.py),
 the traffic run, the rollout it started, named moments on the traffic clock, and the undo steps
 of what it changed. ``Given``, ``When`` and ``Then`` are three views of it; every verb returns
 its receiver so that steps chain and read like the runbook.
@@ -23,12 +23,10 @@ events carry wall-clock times and are mapped onto that clock through ``TrafficRu
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import math
 import re
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -38,20 +36,19 @@ from typing import Any, NoReturn
 import ray
 
 from app.api import RouterConfig
-from app.client import AsyncRankerClient, RetriesExhausted, RetryPolicy
 from app.packing import PackResult
+from app.polling import WaitTimeout, wait_until
 from app.routing import BASIS_POINTS, choose_cohort, request_key
 from rollout.controller import ensure_controller, get_controller
-from rollout.traffic import (
-    RequestRecord,
-    TrafficRun,
-    TrafficSpec,
-    summarize,
-    switches_per_user,
-    write_records,
+from rollout.traffic import RequestRecord, TrafficRun, summarize, switches_per_user, write_records
+from tests.e2e.harness import (
+    FAST_PLAN,
+    ROLLOUT_APP,
+    RolloutEnv,
+    failed,
+    retrying_clients,
+    steady_traffic,
 )
-from tests.e2e.conftest import rank_body, wait_for
-from tests.e2e.rollout_env import APP, FAST_PLAN, RolloutEnv
 
 TERMINAL = ("succeeded", "rolled_back", "failed", "aborted")
 _WEIGHT_MESSAGE = re.compile(r"canary (?P<percent>[0-9.]+)%")
@@ -153,8 +150,8 @@ class Scenario:
         self.note(f"waiting for {desc}")
         started = time.monotonic()
         try:
-            value = wait_for(predicate, timeout, desc, every=0.25)
-        except AssertionError as exc:
+            value = wait_until(predicate, timeout, desc, retry_on=(Exception,))
+        except WaitTimeout as exc:
             self.fail(str(exc))
         self.note(f"{desc}: met after {time.monotonic() - started:.1f}s")
         return value
@@ -239,7 +236,7 @@ class Scenario:
         def traffic() -> Iterable[str]:
             records = self.current_records()
             summary = summarize(records)
-            bad = [r for r in records if not 200 <= r.status < 300][:5]
+            bad = failed(records)[:5]
             return [
                 f"  {summary.requests} requests, statuses {summary.statuses}, failovers "
                 f"{summary.failovers}, by artifact {summary.by_artifact}",
@@ -292,17 +289,12 @@ class Given:
         client (no retries): every non-2xx the service returns is counted."""
         s = self.s
         assert s.run is None, "one traffic run per scenario"
-        s.run = TrafficRun(
-            TrafficSpec(
-                url=s.env.url,
-                rate=rate,
-                max_requests=50_000,
-                max_seconds=600,
-                users=500,
-                concurrency=connections,  # open loop: connections, and 8x that in flight
-                timeout_s=timeout_s,
-            )
-        ).start()
+        s.run = steady_traffic(
+            s.env.url,
+            rate,
+            concurrency=connections,  # open loop: connections, and 8x that in flight
+            timeout_s=timeout_s,
+        )
         s.wait("traffic flowing (20 answers)", lambda: len(s.run.records) >= 20, 60)
         s.note(f"steady traffic at {rate:g} req/s")
         return self
@@ -321,10 +313,10 @@ class Given:
         backoff with jitter); every call is recorded with its attempts."""
         s = self.s
         assert "retrying" not in s.found, "one retrying load per scenario"
-        load = RetryingLoad(s.env.url, concurrency).start()
-        s.found["retrying"] = load
-        s.on_cleanup("retrying clients", load.stop)
-        s.wait("retrying clients answered (10 calls)", lambda: len(load.calls) >= 10, 60)
+        run = retrying_clients(s.env.url, concurrency)
+        s.found["retrying"] = run
+        s.on_cleanup("retrying clients", lambda: run.stop(90))
+        s.wait("retrying clients answered (10 calls)", lambda: len(run.records) >= 10, 60)
         return self
 
     def canary_faults(self, **faults: float) -> Given:
@@ -334,10 +326,10 @@ class Given:
         self.s.on_cleanup(
             "canary faults",
             lambda: self.s.env.control.update_deployment(
-                APP,
+                ROLLOUT_APP,
                 "canary",
                 user_config={
-                    **(self.s.env.control.current_user_config(APP, "canary") or {}),
+                    **(self.s.env.control.current_user_config(ROLLOUT_APP, "canary") or {}),
                     "faults": None,
                 },
             ),
@@ -415,8 +407,8 @@ class When:
     def edit_user_config(self, deployment: str, **changes: Any) -> When:
         """Read-modify-write of one deployment's user_config (other fields kept)."""
         control = self.s.env.control
-        current = control.current_user_config(APP, deployment) or {}
-        control.update_deployment(APP, deployment, user_config={**current, **changes})
+        current = control.current_user_config(ROLLOUT_APP, deployment) or {}
+        control.update_deployment(ROLLOUT_APP, deployment, user_config={**current, **changes})
         self.s.note(f"{deployment} user_config: {sorted(changes)} changed")
         return self
 
@@ -430,7 +422,7 @@ class When:
     def kill_replica(self, deployment: str) -> When:
         """``ray.kill`` of one RUNNING replica actor of the deployment (found by its actor name
         in Serve's replica details); Serve is left to replace it."""
-        status = self.s.env.control.deployment_status(APP, deployment)
+        status = self.s.env.control.deployment_status(ROLLOUT_APP, deployment)
         running = [r for r in status["replicas"] if r["state"] == "RUNNING"]
         assert running, f"no RUNNING {deployment} replica to kill"
         victim = running[0]
@@ -445,11 +437,13 @@ class When:
         """``num_replicas`` of a deployment through Serve's declarative config; waits until
         Serve runs exactly that many, healthy."""
         control = self.s.env.control
-        control.update_deployment(APP, deployment, num_replicas=replicas)
+        control.update_deployment(ROLLOUT_APP, deployment, num_replicas=replicas)
         self.s.mark(f"{deployment} scaled to {replicas}")
         self.s.wait(
             f"{deployment} running {replicas} replicas",
-            lambda: control.wait_applied(APP, deployment, num_replicas=replicas, timeout_s=5),
+            lambda: control.wait_applied(
+                ROLLOUT_APP, deployment, num_replicas=replicas, timeout_s=5
+            ),
             120,
         )
         return self
@@ -459,7 +453,7 @@ class When:
         assert s.run is not None
         s.records = s.run.stop()
         if "retrying" in s.found:
-            s.found["retrying"].stop()
+            s.found["retrying"].stop(90)
         s.mark("traffic stopped")
         return self
 
@@ -581,7 +575,7 @@ class Then:
 
     def expect_router_weight(self, canary_bp: int) -> Then:
         s = self.s
-        config = s.env.control.current_user_config(APP, "router") or {}
+        config = s.env.control.current_user_config(ROLLOUT_APP, "router") or {}
         s.check(
             int(config.get("canary_bp", 0)) == canary_bp,
             f"router canary_bp {config.get('canary_bp')} != {canary_bp}",
@@ -593,7 +587,7 @@ class Then:
     def expect_failed_requests(self, at_most: int = 0) -> Then:
         s = self.s
         records = s.current_records()
-        bad = [r for r in records if not 200 <= r.status < 300]
+        bad = failed(records)
         s.check(
             len(bad) <= at_most,
             lambda: (
@@ -743,7 +737,7 @@ class Then:
         100% bucketing is exact: tolerance 0. ``weights``: those that must have been judged.
         """
         s = self.s
-        salt = (s.env.control.current_user_config(APP, "router") or {}).get(
+        salt = (s.env.control.current_user_config(ROLLOUT_APP, "router") or {}).get(
             "salt", RouterConfig().salt
         )
         checks = []
@@ -828,65 +822,6 @@ class Then:
         return segments
 
 
-@dataclass(frozen=True)
-class RetriedCall:
-    start_s: float  # monotonic
-    end_s: float
-    attempts: int
-    status: int | None  # None: the client gave up (RetriesExhausted) or another error
-    error: str | None = None
-
-
-class RetryingLoad:
-    """``concurrency`` closed-loop workers, each calling ``AsyncRankerClient.rank`` (retries
-    on 503/429/5xx and connection errors, honouring Retry-After) for keyed users."""
-
-    def __init__(self, url: str, concurrency: int) -> None:
-        self.url = url
-        self.concurrency = concurrency
-        self.calls: list[RetriedCall] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> RetryingLoad:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> list[RetriedCall]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(90)
-        return self.calls
-
-    async def _main(self) -> None:
-        policy = RetryPolicy(max_attempts=20, initial_s=0.1, cap_s=2.0, deadline_s=60.0)
-        async with AsyncRankerClient(self.url, policy=policy, timeout_s=30.0) as client:
-
-            async def worker(k: int) -> None:
-                for i in itertools.count(k, self.concurrency):
-                    if self._stop.is_set():
-                        return
-                    body = rank_body(f"retrying-user-{i % 200}")
-                    started = time.monotonic()
-                    try:
-                        result = await client.rank(body)
-                    except RetriesExhausted as exc:
-                        self.calls.append(
-                            RetriedCall(started, time.monotonic(), exc.attempts, None, str(exc))
-                        )
-                    except Exception as exc:  # a non-retryable answer: a failure to count
-                        self.calls.append(
-                            RetriedCall(started, time.monotonic(), 1, None, repr(exc))
-                        )
-                    else:
-                        self.calls.append(
-                            RetriedCall(started, time.monotonic(), result.attempts, result.status)
-                        )
-
-            await asyncio.gather(*(worker(k) for k in range(self.concurrency)))
-
-
 def _transitions(path: list[str], a: str, b: str) -> int:
     return sum(1 for x, y in itertools.pairwise(path) if (x, y) == (a, b))
 
@@ -900,8 +835,6 @@ def plan(**changes: Any) -> dict[str, Any]:
 
 __all__ = [
     "Given",
-    "RetriedCall",
-    "RetryingLoad",
     "Scenario",
     "ShareCheck",
     "Then",

@@ -1,7 +1,7 @@
 """Acceptance scenarios under steady load and faults (issue 6 item 2; seeds/000 section 9).
 
 Each scenario drives the real controller on the ``rollout-e2e`` application
-(tests/e2e/rollout_env.py) through tests/e2e/dsl.py's Given / When / Then, under open-loop
+(tests/e2e/harness.py) through tests/e2e/dsl.py's Given / When / Then, under open-loop
 traffic from ``rollout.traffic.TrafficRun`` (500 users keyed by user id, a plain client
 without retries unless a scenario says otherwise), and asserts counts, never timings: failed
 requests, answers by generation, cohort shares against weights, switches per user, phases and
@@ -11,8 +11,6 @@ reasons. Every scenario starts with stable on ranker-v41 and no rollout, and end
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,20 @@ import ray
 from ray import serve
 
 from app.errors import NotFound
+from app.polling import wait_until
 from app.registry import Registry, open_registry
 from rollout.controller import get_controller
 from tests import artifacts, postgres
 from tests.e2e.artifact_server import GatedArtifactServer
-from tests.e2e.conftest import rank_body, wait_for
 from tests.e2e.dsl import Scenario, plan
-from tests.e2e.rollout_env import APP, BASELINE, CANDIDATE, RolloutEnv, register
+from tests.e2e.harness import (
+    BASELINE,
+    CANDIDATE,
+    ROLLOUT_APP,
+    RolloutEnv,
+    rank_body,
+    register,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.acceptance]
 
@@ -46,7 +51,7 @@ def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
 def replica_report(deployment: str) -> dict[str, Any]:
     """The instance report of the deployment's replica (one replica each here), asked
     directly as the router's probes do."""
-    handle = serve.get_deployment_handle(deployment, app_name=APP)
+    handle = serve.get_deployment_handle(deployment, app_name=ROLLOUT_APP)
     return handle.status.remote().result(timeout_s=30)
 
 
@@ -158,7 +163,7 @@ def test_canary_regression_rolls_back_to_stable(scenario: Scenario, kind: str) -
     s.when.start_rollout(CANDIDATE).wait_for_event("canary_ready")
     # The dry run passed (every canary replica serves v42) and the controller's target write
     # kept the injected faults beside the target.
-    canary_config = s.env.control.current_user_config(APP, "canary") or {}
+    canary_config = s.env.control.current_user_config(ROLLOUT_APP, "canary") or {}
     s.check(
         (canary_config.get("target") or {}).get("artifact_id") == CANDIDATE
         and canary_config.get("faults") == faults,
@@ -198,7 +203,7 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
     s.when.kill_controller()
     # Duplicate notifications: the same config PUT again (Serve: nothing to do), then a change
     # of another field that hands the replica the same target again (it must not reload).
-    original_interval = (s.env.control.current_user_config(APP, "canary") or {})[
+    original_interval = (s.env.control.current_user_config(ROLLOUT_APP, "canary") or {})[
         "report_interval_s"
     ]
     s.when.reput_same_config().edit_user_config("canary", report_interval_s=0.4)
@@ -215,10 +220,12 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
         "feature_schema": canary_target.feature_schema,
     }
     s.when.edit_user_config("canary", target=late)
-    late_config = s.env.control.current_user_config(APP, "canary")
+    late_config = s.env.control.current_user_config(ROLLOUT_APP, "canary")
     s.when.wait_until(
         "canary replica reconfigured with the late target",
-        lambda: s.env.control.wait_applied(APP, "canary", user_config=late_config, timeout_s=5),
+        lambda: s.env.control.wait_applied(
+            ROLLOUT_APP, "canary", user_config=late_config, timeout_s=5
+        ),
     )
     report = replica_report("canary")
     s.check(
@@ -245,7 +252,7 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
         == (before["actual_artifact"], before["actual_revision"], before["timings"]),
         f"the canary replica reloaded or moved: before {before}, after {after}",
     )
-    served = (s.env.control.current_user_config(APP, "canary") or {}).get("target") or {}
+    served = (s.env.control.current_user_config(ROLLOUT_APP, "canary") or {}).get("target") or {}
     s.check(
         (served.get("artifact_id"), served.get("revision")) == (CANDIDATE, canary_target.revision),
         f"Serve's canary target not repaired: {served}",
@@ -426,7 +433,7 @@ def test_drain_and_scale_down_during_a_shift_lose_no_retried_request(scenario: S
         r for r in records if r.status == 200 and r.start_s < first_refusal < answered_at[id(r)]
     ]
     s.check(bool(crossed), "no request was in flight when the router began to refuse")
-    calls = s.found["retrying"].calls
+    calls = s.found["retrying"].records
     retried = [c for c in calls if c.attempts > 1]
     failed = [c for c in calls if c.status != 200]
     s.note(
@@ -441,30 +448,6 @@ def test_drain_and_scale_down_during_a_shift_lose_no_retried_request(scenario: S
 
 # ---------------------------------------------------------------------------------------------
 # 8. The registry (PostgreSQL) goes down mid-rollout and comes back.
-
-
-def _pg_ctl(server: postgres.PostgresServer, *args: str) -> None:
-    cmd = [str(server.bindir / "pg_ctl"), "-D", str(server.data_dir), *args]
-    if os.geteuid() == 0:
-        cmd = ["runuser", "-u", server.user, "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, f"pg_ctl {args}: {done.stderr}\n{server.log_tail()}"
-
-
-def _pg_stop(server: postgres.PostgresServer) -> None:
-    _pg_ctl(server, "-m", "fast", "-w", "stop")
-
-
-def _pg_start(server: postgres.PostgresServer) -> None:
-    options = (
-        f"-p {server.port} -k {server.root} -c listen_addresses={server.host} -c fsync=off "
-        "-c max_connections=200 -c autovacuum=off"
-    )
-    _pg_ctl(server, "-l", str(server.log_file), "-w", "-t", "60", "-o", options, "start")
-
-
-def _pg_running(server: postgres.PostgresServer) -> bool:
-    return (server.data_dir / "postmaster.pid").exists()
 
 
 def mirror_targets(source: Registry, dest: Registry, artifacts_ids: tuple[str, str]) -> None:
@@ -507,12 +490,17 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.kill_controller()
 
     def restore() -> None:
-        if not _pg_running(server):
-            _pg_start(server)
+        if not server.is_running():
+            server.start()
         handle = get_controller()
         if handle is not None:
             ray.kill(handle, no_restart=True)
-            wait_for(lambda: get_controller() is None, 30, "PostgreSQL controller gone")
+            wait_until(
+                lambda: get_controller() is None,
+                30,
+                "PostgreSQL controller gone",
+                retry_on=(Exception,),
+            )
         mirror_targets(pg, env.registry, (BASELINE, CANDIDATE))
         s.env = env
         ray.get(env.controller.reconcile.remote(), timeout=60)
@@ -531,7 +519,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     )
     s.when.wait_for_phase("progressing")
     ticks = ray.get(get_controller().ping.remote(), timeout=30)["ticks"]
-    _pg_stop(server)
+    server.stop()
     s.mark("registry down")
     down_at = time.monotonic()
     # Two ticks end while it is down (at least one ran wholly without the registry), and the
@@ -549,7 +537,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.when.wait_for_answers(
         "serving while the registry is down", lambda r: r.status == 200, after="registry down"
     )
-    _pg_start(server)
+    server.start()
     s.mark("registry back")
     # This process's own pool held connections the restart cut: reads fail until replaced.
     s.when.wait_until("registry answering again", lambda: pg.list_targets("ranker", "default"))

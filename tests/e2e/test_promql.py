@@ -37,6 +37,7 @@ import ray
 from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
 
 from app import telemetry
+from app.polling import wait_until
 from rollout.analysis import CohortStats, WindowStats
 from rollout.metrics import (
     REQUESTS_SERIES,
@@ -48,7 +49,7 @@ from rollout.metrics import (
     quantile_from_buckets,
     window_increase,
 )
-from tests.e2e.conftest import APP, Cluster, Load, wait_for
+from tests.e2e.harness import APP, Cluster, client_load
 from tests.prometheus import PrometheusServer, running_server
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +57,7 @@ pytestmark = pytest.mark.e2e
 CANARY_BP = 3000  # 30% of keyed traffic to the canary
 CANARY_ERROR_RATE = 0.15  # fraction of canary rank calls that fail (then fail over to stable)
 WINDOW_S = 20.0
-EXPORT_INTERVAL_S = 1.0  # the session cluster's metrics_report_interval_ms (conftest.py)
+EXPORT_INTERVAL_S = 1.0  # the session cluster's metrics_report_interval_ms (LocalCluster's)
 # Edges of the window, each off by at most one export step (module docstring), and half a
 # count of rounding per source.
 EDGE_STEPS = 2
@@ -186,7 +187,9 @@ def test_promql_source_agrees_with_the_direct_scrape(
     sd_file = session_sd_file()
     target = our_metrics_target(cluster)
     # Ray rewrites the file every 5 s; by now (app RUNNING) it exists and lists this node.
-    wait_for(lambda: target in sd_targets(sd_file), 30, f"{target} in {sd_file}")
+    wait_until(
+        lambda: target in sd_targets(sd_file), 30, f"{target} in {sd_file}", retry_on=(Exception,)
+    )
 
     scrape = RecordingScrape(lambda: [cluster.metrics_url], application=APP)
     direct = SnapshotWindows(scrape)
@@ -194,44 +197,51 @@ def test_promql_source_agrees_with_the_direct_scrape(
         promql = PromQLSource(server.url, application=APP)
         try:
             # The discovery manager hands new targets to the scraper at most every 5 s.
-            wait_for(lambda: target_up(server, target), 60, f"Prometheus scraping {target}")
+            wait_until(
+                lambda: target_up(server, target),
+                60,
+                f"Prometheus scraping {target}",
+                retry_on=(Exception,),
+            )
             cluster.set_router(canary_bp=CANARY_BP)
             cluster.set_faults("canary", {"error_rate": CANARY_ERROR_RATE})
-            with Load(cluster.http_url, concurrency=4) as load:
+            with client_load(cluster.http_url, concurrency=4) as load:
                 # Every series of the window (canary errors included) must exist in Prometheus
                 # for a few scrapes before t0: increase() over a series born inside the range
                 # misses its first value, which the direct source would count.
                 errors_series = (
                     f'{REQUESTS_SERIES}{{application="{APP}",cohort="canary",outcome="error"}}'
                 )
-                wait_for(
+                wait_until(
                     lambda: prom_scalar(promql, f"count_over_time({errors_series}[5s])") >= 4,
                     60,
                     "canary error series scraped by Prometheus for 4 s",
+                    retry_on=(Exception,),
                 )
                 direct.observe()
-                answers_at_t0 = load.count()
+                answers_at_t0 = len(load.records)
                 opened = time.time()
-                wait_for(
+                wait_until(
                     lambda: time.time() - opened >= WINDOW_S,
                     WINDOW_S + 10,
                     f"a {WINDOW_S:.0f} s window of traffic",
                     every=0.5,
                 )
                 direct.observe()
-                answers_in_window = load.count() - answers_at_t0
-                non_2xx = sum(1 for a in load.answers[answers_at_t0:] if not 200 <= a.status < 300)
+                answers_in_window = len(load.records) - answers_at_t0
+                non_2xx = sum(1 for a in load.records[answers_at_t0:] if not 200 <= a.status < 300)
                 window = direct.window_between(opened - 60, time.time())
                 assert window is not None, "direct scrape: no window between the two snapshots"
                 t0, t1 = window.start, window.end
                 # Query only after Prometheus holds a sample newer than t1: every sample of
                 # the range is then stored.
-                wait_for(
+                wait_until(
                     lambda: prom_scalar(promql, f"max(timestamp({errors_series}))") > t1 + 1,
                     30,
                     "a Prometheus sample after t1",
+                    retry_on=(Exception,),
                 )
-            # No load.assert_all_ok(): zero failed requests is test_serving's subject; here
+            # No assert_all_ok(load.records): zero failed requests is test_serving's subject; here
             # any outcome only has to be counted alike by both sources.
             from_prom = promql.window_between(t0, t1)
             scrapes = scrape_health(promql, target, t0, t1)

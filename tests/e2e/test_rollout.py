@@ -1,5 +1,5 @@
-"""The rollout controller on a real Ray Serve cluster, under load (tests/e2e/rollout_env.py:
-a second application driven by the real controller). Every test starts with stable on
+"""The rollout controller on a real Ray Serve cluster, under load (tests/e2e/harness.py: a
+second application driven by the real controller). Every test starts with stable on
 ranker-v41 and no rollout active, and ends the same way."""
 
 from __future__ import annotations
@@ -7,18 +7,11 @@ from __future__ import annotations
 import pytest
 import ray
 
+from app.polling import wait_until
 from rollout.controller import get_controller
 from rollout.traffic import cohort_share
 from tests import artifacts
-from tests.e2e.conftest import wait_for
-from tests.e2e.rollout_env import (
-    BASELINE,
-    CANDIDATE,
-    FAST_PLAN,
-    RolloutEnv,
-    failed,
-    register,
-)
+from tests.e2e.harness import BASELINE, CANDIDATE, FAST_PLAN, RolloutEnv, failed, register
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +29,7 @@ def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv, promotio
     env = rollout_env
     stable_ids = env.replica_ids("stable")
     run = env.traffic()
-    wait_for(lambda: len(run.records) >= 20, 60, "traffic flowing")
+    wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
     started = run.now_s()
     steps = FAST_PLAN["steps"] if promotion == "shift" else [20, 50]
     env.start(CANDIDATE, {**FAST_PLAN, "steps": steps, "promotion": promotion})
@@ -72,7 +65,7 @@ def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: Rol
     assert held["weights"]["canary_bp"] == 2000 and held["pending_gate"]
 
     ray.kill(get_controller(), no_restart=True)  # a crash; nothing runs the rollout now
-    wait_for(lambda: get_controller() is None, 30, "controller gone")
+    wait_until(lambda: get_controller() is None, 30, "controller gone", retry_on=(Exception,))
     assert len(run.records) > 0
     resumed = env.status()  # ensure_controller starts a new one: it resumes from the registry
     assert resumed["rollout"] == held["rollout"]
@@ -90,7 +83,9 @@ def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: Rol
         pid = ray.get(get_controller().ping.remote(), timeout=30)["pid"]
         return pid != before and env.status()["phase"] == "paused"
 
-    wait_for(restarted_and_paused, 90, "controller restarted by Ray, paused")
+    wait_until(
+        restarted_and_paused, 90, "controller restarted by Ray, paused", retry_on=(Exception,)
+    )
 
     env.command("resume")
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
@@ -157,7 +152,7 @@ def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
                 return record.start_s
         return None
 
-    switched_at = wait_for(all_stable_since, 30, "clients answered by stable only")
+    switched_at = wait_until(all_stable_since, 30, "clients answered by stable only")
     records = run.stop()
     assert view["reason"] == "operator saw something"
     assert not failed(records)

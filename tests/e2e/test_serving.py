@@ -7,11 +7,10 @@ except where a test makes every cohort fail on purpose and checks the honest 503
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.e2e.conftest import APP, Cluster, Load, wait_for
+from app.polling import wait_until
+from tests.e2e.harness import APP, Cluster, assert_all_ok, client_load
 
 pytestmark = pytest.mark.e2e
 
@@ -24,18 +23,18 @@ def test_hot_swap_v41_to_v42_in_place_under_load(serving: Cluster) -> None:
     cluster = serving
     before = replica_ids(cluster, "stable")
     revision = cluster.revision()
-    with Load(cluster.http_url) as load:
-        wait_for(lambda: load.count() >= 20, 60, "traffic on v41")
+    with client_load(cluster.http_url) as load:
+        wait_until(lambda: len(load.records) >= 20, 60, "traffic on v41")
         cluster.set_target("stable", cluster.target(cluster.demo["ranker-v42"], revision))
         cluster.wait_cohort_serving("stable", "ranker-v42", revision)
-        swapped_at = load.count()
-        wait_for(lambda: load.count() >= swapped_at + 20, 60, "traffic after the swap")
-    load.assert_all_ok()
-    served = [(a.artifact, a.revision) for a in load.answers]
+        swapped_at = len(load.records)
+        wait_until(lambda: len(load.records) >= swapped_at + 20, 60, "traffic after the swap")
+    assert_all_ok(load.records)
+    served = [(a.artifact_id, a.revision) for a in load.records]
     assert served[0][0] == "ranker-v41"
     assert ("ranker-v42", revision) in served
     # After every replica reported v42, nothing answers with v41 any more.
-    assert {a.artifact for a in load.answers[swapped_at:]} == {"ranker-v42"}
+    assert {a.artifact_id for a in load.records[swapped_at:]} == {"ranker-v42"}
     # In place: the same replicas (ids and PIDs) before and after; no restart.
     assert replica_ids(cluster, "stable") == before
 
@@ -82,7 +81,7 @@ def test_bad_candidates_leave_v41_serving_and_are_reported(serving: Cluster) -> 
     baseline = {
         rid: rep["actual_revision"] for rid, rep in cluster.latest_reports("stable").items()
     }
-    with Load(cluster.http_url) as load:
+    with client_load(cluster.http_url) as load:
         for n, (kind, tamper, categories) in enumerate(BAD_CANDIDATES):
             packed = build_bad(cluster, kind, tamper, n)
             revision = cluster.revision()
@@ -98,11 +97,16 @@ def test_bad_candidates_leave_v41_serving_and_are_reported(serving: Cluster) -> 
                     assert rep["actual_artifact"] == "ranker-v41", rep
                 return True
 
-            wait_for(failed_everywhere, 60, f"{kind}/{tamper} rejected on every replica")
-        seen = load.count()
-        wait_for(lambda: load.count() >= seen + 10, 60, "traffic after the last rejection")
-    load.assert_all_ok()
-    assert {a.artifact for a in load.answers} == {"ranker-v41"}
+            wait_until(
+                failed_everywhere,
+                60,
+                f"{kind}/{tamper} rejected on every replica",
+                retry_on=(Exception,),
+            )
+        seen = len(load.records)
+        wait_until(lambda: len(load.records) >= seen + 10, 60, "traffic after the last rejection")
+    assert_all_ok(load.records)
+    assert {a.artifact_id for a in load.records} == {"ranker-v41"}
     # Nothing restarted: the same replicas still serve.
     assert set(cluster.latest_reports("stable")) == set(baseline)
 
@@ -126,32 +130,38 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
             **cluster.target(slow, slow_rev),
             "manifest_uri": server.manifest_uri("ranker-slow"),
         }
-        with Load(cluster.http_url) as load:
+        with client_load(cluster.http_url) as load:
             cluster.set_target("stable", slow_target)
-            wait_for(lambda: server.waiting("ranker-slow") >= 1, 60, "slow download started")
+            wait_until(lambda: server.waiting("ranker-slow") >= 1, 60, "slow download started")
 
             def loading() -> bool:
                 for rep in cluster.latest_reports("stable").values():
                     assert rep["desired_revision"] == slow_rev and rep["phase"] == "loading", rep
                 return True
 
-            wait_for(loading, 30, "every stable replica loading the slow candidate")
+            wait_until(
+                loading,
+                30,
+                "every stable replica loading the slow candidate",
+                retry_on=(Exception,),
+            )
             # Rollback while the candidate is still downloading.
             cluster.set_target("stable", cluster.target(cluster.demo["ranker-v41"], rollback_rev))
-            wait_for(
+            wait_until(
                 lambda: all(
                     r["desired_revision"] == rollback_rev
                     for r in cluster.latest_reports("stable").values()
                 ),
                 30,
                 "rollback target recorded",
+                retry_on=(Exception,),
             )
             server.release("ranker-slow")
             cluster.wait_cohort_serving("stable", "ranker-v41", rollback_rev)
             for rep in cluster.latest_reports("stable").values():
                 assert slow_rev in rep["discarded_revisions"], rep
-        load.assert_all_ok()
-        assert "ranker-slow" not in {a.artifact for a in load.answers}
+        assert_all_ok(load.records)
+        assert "ranker-slow" not in {a.artifact_id for a in load.records}
         history = ray_history(cluster)
         assert not [h for h in history if h["actual_artifact"] == "ranker-slow"]
     finally:
@@ -173,7 +183,7 @@ def rank_many(cluster: Cluster, users: list[str | None]) -> list[dict]:
 
     import httpx
 
-    from tests.e2e.conftest import rank_body
+    from tests.e2e.harness import rank_body
 
     async def main() -> list[dict]:
         sem = asyncio.Semaphore(8)
@@ -196,7 +206,12 @@ def rank_many(cluster: Cluster, users: list[str | None]) -> list[dict]:
 
 def set_weight(cluster: Cluster, canary_bp: int) -> None:
     cluster.set_router(canary_bp=canary_bp)
-    wait_for(lambda: cluster.status()["canary_bp"] == canary_bp, 30, f"router at {canary_bp} bp")
+    wait_until(
+        lambda: cluster.status()["canary_bp"] == canary_bp,
+        30,
+        f"router at {canary_bp} bp",
+        retry_on=(Exception,),
+    )
 
 
 def test_bucketing_is_deterministic_and_monotone(serving: Cluster) -> None:
@@ -226,17 +241,17 @@ def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
 
     cluster = serving
     set_weight(cluster, 5000)
-    with Load(cluster.http_url, concurrency=4) as load:
-        wait_for(lambda: any(a.cohort == "canary" for a in load.answers), 60, "canary traffic")
+    with client_load(cluster.http_url, concurrency=4) as load:
+        wait_until(lambda: any(a.cohort == "canary" for a in load.records), 60, "canary traffic")
         killed = cluster.rest.replicas(APP, "canary")
         # Marked before the kill: the requests in flight to the killed replicas fail over at
         # once, often before the kill loop returns, and they are the failovers to see.
-        mark = load.count()
+        mark = len(load.records)
         for rep in killed:
             actor = ray.get_actor(rep["actor_name"], namespace="serve")
             ray.kill(actor, no_restart=True)
-        wait_for(
-            lambda: any(a.failover and a.cohort == "stable" for a in load.answers[mark:]),
+        wait_until(
+            lambda: any(a.failover and a.cohort == "stable" for a in load.records[mark:]),
             60,
             "canary-bucketed requests answered by stable",
         )
@@ -245,12 +260,12 @@ def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
 
         def canary_back() -> bool:
             fresh = [
-                a for a in load.answers[mark:] if a.cohort == "canary" and a.replica not in gone
+                a for a in load.records[mark:] if a.cohort == "canary" and a.replica not in gone
             ]
             return len(fresh) >= 3
 
-        wait_for(canary_back, 120, "a new canary replica answering")
-    load.assert_all_ok()
+        wait_until(canary_back, 120, "a new canary replica answering")
+    assert_all_ok(load.records)
 
 
 # --------------------------------------------------------------------------- drain, errors
@@ -260,12 +275,17 @@ def test_readyz_503_while_draining_and_the_client_rides_it_out(serving: Cluster)
     import httpx
 
     from app.client import RankerClient, RetryPolicy
-    from tests.e2e.conftest import rank_body
+    from tests.e2e.harness import rank_body
 
     cluster = serving
     assert httpx.get(f"{cluster.http_url}/readyz").status_code == 200
     cluster.set_router(draining=True)
-    wait_for(lambda: httpx.get(f"{cluster.http_url}/readyz").status_code == 503, 30, "readyz 503")
+    wait_until(
+        lambda: httpx.get(f"{cluster.http_url}/readyz").status_code == 503,
+        30,
+        "readyz 503",
+        retry_on=(Exception,),
+    )
     ready = httpx.get(f"{cluster.http_url}/readyz")
     assert ready.headers["Retry-After"] == "1" and ready.json()["reason"] == "draining"
     rank = httpx.post(f"{cluster.http_url}/v1/rank", json=rank_body("u"))
@@ -312,7 +332,7 @@ def test_client_mistakes_get_422_naming_the_field(cluster: Cluster, mutate, fiel
 
     import httpx
 
-    from tests.e2e.conftest import rank_body
+    from tests.e2e.harness import rank_body
 
     body = rank_body("u")
     mutate(body)
@@ -327,7 +347,7 @@ def test_client_mistakes_get_422_naming_the_field(cluster: Cluster, mutate, fiel
 def test_protocol_mistakes_are_4xx_never_500(cluster: Cluster) -> None:
     import httpx
 
-    from tests.e2e.conftest import rank_body
+    from tests.e2e.harness import rank_body
 
     url = cluster.http_url
     assert httpx.post(f"{url}/v1/rank", content=b"{not json").status_code == 422
@@ -371,7 +391,12 @@ def test_status_and_metrics_carry_the_cohorts(serving: Cluster) -> None:
         assert seen.get(t.exported_name(t.ROUTER_LATENCY_MS, kind="histogram") + "_bucket")
         return True
 
-    wait_for(exported, 60, "router and replica metrics exported with cohort labels")
+    wait_until(
+        exported,
+        60,
+        "router and replica metrics exported with cohort labels",
+        retry_on=(Exception,),
+    )
 
 
 # --------------------------------------------------------------------------- fault injection
@@ -429,8 +454,8 @@ def test_canary_faults_show_in_its_router_metrics_and_clients_see_only_2xx(
     cluster = serving
     delay_ms = 300.0
     set_weight(cluster, 5000)
-    with Load(cluster.http_url, concurrency=6) as load:
-        wait_for(lambda: any(a.cohort == "canary" for a in load.answers), 60, "canary traffic")
+    with client_load(cluster.http_url, concurrency=6) as load:
+        wait_until(lambda: any(a.cohort == "canary" for a in load.records), 60, "canary traffic")
         before = router_samples(cluster)
         cluster.set_faults("canary", {"extra_latency_ms": delay_ms, "error_rate": 0.3})
 
@@ -440,11 +465,11 @@ def test_canary_faults_show_in_its_router_metrics_and_clients_see_only_2xx(
             assert all(r["last_error"] is None for r in reports.values()), reports
             return True
 
-        wait_for(faults_live, 30, "faults in effect on the canary")
-        live_at = time.monotonic()
-        mark = load.count()
-        wait_for(
-            lambda: any(a.failover and a.cohort == "stable" for a in load.answers[mark:]),
+        wait_until(faults_live, 30, "faults in effect on the canary", retry_on=(Exception,))
+        live_at = load.now_s()
+        mark = len(load.records)
+        wait_until(
+            lambda: any(a.failover and a.cohort == "stable" for a in load.records[mark:]),
             60,
             "failed canary calls answered by stable",
         )
@@ -458,12 +483,17 @@ def test_canary_faults_show_in_its_router_metrics_and_clients_see_only_2xx(
             assert errors >= 3 and slow >= 5, (errors, slow)
             return True
 
-        wait_for(metrics_show_it, 60, "canary errors and slow canary answers in the metrics")
-        slow_after = [a for a in load.answers if a.cohort == "canary" and a.started >= live_at]
-    load.assert_all_ok()
+        wait_until(
+            metrics_show_it,
+            60,
+            "canary errors and slow canary answers in the metrics",
+            retry_on=(Exception,),
+        )
+        slow_after = [a for a in load.records if a.cohort == "canary" and a.start_s >= live_at]
+    assert_all_ok(load.records)
     assert slow_after, "no canary answers after the faults took effect"
     # Every canary answer to a request sent after the faults took effect waited for them.
-    assert min(a.at - a.started for a in slow_after) >= delay_ms / 1000
+    assert min(a.latency_ms for a in slow_after) >= delay_ms
     # Stable is untouched: no stable errors from the canary's faults.
     assert router_count(router_samples(cluster), "stable", "error") == router_count(
         before, "stable", "error"
@@ -480,8 +510,8 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
     before = replica_ids(cluster, "stable")
     good = cluster.rest.current_user_config(APP, "stable")
     try:
-        with Load(cluster.http_url) as load:
-            wait_for(lambda: load.count() >= 20, 60, "traffic on v41")
+        with client_load(cluster.http_url) as load:
+            wait_until(lambda: len(load.records) >= 20, 60, "traffic on v41")
             cluster.rest.update_user_configs(
                 APP, {"stable": lambda cfg: {**cfg, "batching": {"max_batch_size": 0}}}
             )
@@ -496,14 +526,19 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
                     assert rep["actual_artifact"] == "ranker-v41", rep
                 return True
 
-            wait_for(refused_everywhere, 60, "the bad config refused on every stable replica")
-            mark = load.count()
-            wait_for(lambda: load.count() >= mark + 20, 60, "traffic after the bad config")
+            wait_until(
+                refused_everywhere,
+                60,
+                "the bad config refused on every stable replica",
+                retry_on=(Exception,),
+            )
+            mark = len(load.records)
+            wait_until(lambda: len(load.records) >= mark + 20, 60, "traffic after the bad config")
             assert cluster.rest.app_status(APP) == "RUNNING"
     finally:
         cluster.rest.update_user_configs(APP, {"stable": lambda cfg: good})
-    load.assert_all_ok()
-    assert {a.artifact for a in load.answers} == {"ranker-v41"}
+    assert_all_ok(load.records)
+    assert {a.artifact_id for a in load.records} == {"ranker-v41"}
     assert replica_ids(cluster, "stable") == before  # no replica died or restarted
 
     def error_cleared() -> bool:
@@ -511,7 +546,7 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
         assert reports and all(r["last_error"] is None for r in reports.values()), reports
         return True
 
-    wait_for(error_cleared, 30, "the good config clears the error")
+    wait_until(error_cleared, 30, "the good config clears the error", retry_on=(Exception,))
 
 
 # --------------------------------------------------------------------------- cleared target
@@ -526,12 +561,12 @@ def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
     cluster = serving
     canary_before = replica_ids(cluster, "canary")
     try:
-        with Load(cluster.http_url, concurrency=4) as load:
-            wait_for(lambda: load.count() >= 10, 60, "traffic on stable")
+        with client_load(cluster.http_url, concurrency=4) as load:
+            wait_until(lambda: len(load.records) >= 10, 60, "traffic on stable")
             cluster.set_faults("stable", {"error_rate": 1.0})
-            mark = load.count()
-            wait_for(
-                lambda: any(a.failover and a.cohort == "canary" for a in load.answers[mark:]),
+            mark = len(load.records)
+            wait_until(
+                lambda: any(a.failover and a.cohort == "canary" for a in load.records[mark:]),
                 60,
                 "stable's failures failing over to the serving canary (control)",
             )
@@ -546,18 +581,20 @@ def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
                     assert rep["desired_revision"] is None, rep
                 return True
 
-            wait_for(canary_idle, 30, "canary replicas idle with no model")
+            wait_until(canary_idle, 30, "canary replicas idle with no model", retry_on=(Exception,))
 
             def status_not_serving() -> bool:
                 cohorts = {c["cohort"]: c for c in cluster.status()["cohorts"]}
                 assert cohorts["canary"]["serving"] is False, cohorts["canary"]
                 return True
 
-            wait_for(status_not_serving, 30, "router status: canary not serving")
-            cleared_at = time.monotonic()
-            mark = load.count()
-            wait_for(lambda: load.count() >= mark + 30, 60, "requests after the clear")
-            after = [a for a in load.answers if a.started >= cleared_at]
+            wait_until(
+                status_not_serving, 30, "router status: canary not serving", retry_on=(Exception,)
+            )
+            cleared_at = load.now_s()
+            mark = len(load.records)
+            wait_until(lambda: len(load.records) >= mark + 30, 60, "requests after the clear")
+            after = [a for a in load.records if a.start_s >= cleared_at]
             assert after
             assert not [a for a in after if a.cohort == "canary"], "canary answered after clear"
             # Stable fails every call and there is nowhere to fail over to: honest 503s.
@@ -567,13 +604,14 @@ def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
             revision = cluster.revision()
             cluster.set_target("canary", cluster.target(cluster.demo["ranker-v42"], revision))
             cluster.wait_cohort_serving("canary", "ranker-v42", revision)
-            mark = load.count()
-            wait_for(
-                lambda: any(a.failover and a.cohort == "canary" for a in load.answers[mark:]),
+            mark = len(load.records)
+            wait_until(
+                lambda: any(a.failover and a.cohort == "canary" for a in load.records[mark:]),
                 60,
                 "failover to the canary once it serves again",
             )
     finally:
         cluster.set_faults("stable", None)
     assert replica_ids(cluster, "canary") == canary_before  # retired in place, no restart
-    assert not load.errors, load.errors[:5]
+    no_answer = [a for a in load.records if a.status == 0]  # transport errors
+    assert not no_answer, no_answer[:5]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,11 @@ import pytest
 from app.cache import ArtifactCache, CacheLimits
 from app.errors import ArtifactRejected
 from app.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from app.polling import wait_until
 from app.signing import generate_keypair
 from tests.file_artifacts import HeldFileServer, file_entry, make_file_artifact, rewrite_manifest
 
 PAYLOAD = {"weights.bin": os.urandom(300_000), "conf/normalization.json": b'{"a": 1}'}
-
-
-def wait_for(predicate, timeout: float = 20.0, desc: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {desc}")
 
 
 def assert_nothing_published(cache: ArtifactCache) -> None:
@@ -293,7 +284,7 @@ def test_fetch_killed_midway_leaves_no_entry_and_is_swept(tmp_path):
             def partial_written() -> bool:
                 return any(p.stat().st_size > 0 for p in (root / "tmp").rglob("weights.bin"))
 
-            wait_for(partial_written, desc="partial file in the temp dir")
+            wait_until(partial_written, 20.0, "partial file in the temp dir", every=0.02)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
         finally:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from app.errors import ArtifactRejected
+from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
     Decision,
@@ -37,15 +36,6 @@ def target(revision: int, artifact: str = "a") -> Target:
         manifest_sha256=(artifact.encode().hex() * 64)[:64],
         feature_schema="ranker-features-v3",
     )
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, desc: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for: {desc}")
 
 
 @dataclass
@@ -135,7 +125,7 @@ def test_submit_returns_at_once_and_the_worker_installs(events: list[ReconcileEv
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     assert rec.submit(target(2, "b")) is Decision.ACCEPTED  # returns while the load is held
-    wait_for(lambda: loader.started[-1] == target(2, "b"), desc="load of b started")
+    wait_until(lambda: loader.started[-1] == target(2, "b"), 5.0, "load of b started", every=0.005)
     assert rec.snapshot().actual == target(1, "a")
     assert rec.snapshot().phase is Phase.LOADING
     gate.set()
@@ -169,7 +159,9 @@ def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "slow"))
-    wait_for(lambda: loader.started[-1].artifact_id == "slow", desc="slow load started")
+    wait_until(
+        lambda: loader.started[-1].artifact_id == "slow", 5.0, "slow load started", every=0.005
+    )
     assert rec.submit(target(3, "a")) is Decision.ACCEPTED  # rollback to the old artifact
     slow.set()
     assert rec.wait_settled(5)
@@ -186,7 +178,7 @@ def test_latest_target_wins_over_pending_ones() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="b loading")
+    wait_until(lambda: loader.started[-1].artifact_id == "b", 5.0, "b loading", every=0.005)
     rec.submit(target(3, "c"))
     rec.submit(target(4, "d"))  # c is never started: it was superseded while pending
     first.set()
@@ -247,7 +239,7 @@ def test_a_new_target_cuts_a_backoff_short() -> None:
     rec = Reconciler(loader, policy=slow_policy, on_event=events.append)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: rec.snapshot().phase is Phase.BACKOFF, desc="backoff")
+    wait_until(lambda: rec.snapshot().phase is Phase.BACKOFF, 5.0, "backoff", every=0.005)
     rec.submit(target(3, "c"))
     assert rec.wait_settled(5)  # did not wait out the 15-30 s backoff
     assert rec.snapshot().actual == target(3, "c")
@@ -332,7 +324,7 @@ def test_a_load_in_flight_when_the_target_is_cleared_is_discarded() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="load of b started")
+    wait_until(lambda: loader.started[-1].artifact_id == "b", 5.0, "load of b started", every=0.005)
     rec.clear()
     slow.set()
     assert rec.wait_settled(5)
@@ -348,7 +340,7 @@ def test_clear_stops_retries_of_a_failing_target() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: len(loader.started) >= 2, desc="first attempt of b")
+    wait_until(lambda: len(loader.started) >= 2, 5.0, "first attempt of b", every=0.005)
     rec.clear()
     assert rec.wait_settled(5)
     started = len(loader.started)

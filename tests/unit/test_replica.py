@@ -20,6 +20,7 @@ from app.demo_artifacts import make_demo_artifacts
 from app.errors import ConfigError
 from app.features import NUM_FEATURES
 from app.packing import PackResult
+from app.polling import wait_until
 from app.replica import (
     FAULT_INJECTION_ENV,
     NO_FAULT,
@@ -58,14 +59,6 @@ def request() -> WireRequest:
     rng = np.random.default_rng(0)
     feats = rng.normal(size=(4, NUM_FEATURES)).astype(np.float32)
     return WireRequest(("a", "b", "c", "d"), feats, {}, 2)
-
-
-def wait_for(predicate, desc: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {desc}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -132,7 +125,9 @@ def test_a_later_load_failure_shows_over_an_older_config_error(
     serving.reconfigure({**good, "colour": "red"})
     broken = {**target(demo["ranker-v41"], 6), "manifest_sha256": "0" * 64}
     serving.reconfigure(config(tmp_path, target=broken))
-    wait_for(lambda: serving.report().phase == "failed", "the broken target failed")
+    wait_until(
+        lambda: serving.report().phase == "failed", TIMEOUT, "the broken target failed", every=0.01
+    )
     report = serving.report()
     assert report.last_error is not None and report.last_error["revision"] == 6
     assert report.actual_artifact == "ranker-v42"
@@ -148,10 +143,14 @@ def test_installed_at_says_since_when_the_serving_model_serves(
     # A failed candidate leaves the serving model, and so its time, alone.
     broken = {**target(demo["ranker-v41"], 6), "manifest_sha256": "0" * 64}
     replica.reconfigure(config(tmp_path, target=broken))
-    wait_for(lambda: replica.report().phase == "failed", "the broken target failed")
+    wait_until(
+        lambda: replica.report().phase == "failed", TIMEOUT, "the broken target failed", every=0.01
+    )
     assert replica.report().installed_at == first
     replica.reconfigure(config(tmp_path, target=target(demo["ranker-v41"], 7)))
-    wait_for(lambda: replica.report().actual_revision == 7, "revision 7 installed")
+    wait_until(
+        lambda: replica.report().actual_revision == 7, TIMEOUT, "revision 7 installed", every=0.01
+    )
     second = replica.report().installed_at
     assert second is not None and second > first
     replica.reconfigure(config(tmp_path, target=None))  # an idle pool serves nothing
@@ -166,12 +165,16 @@ def test_background_loads_are_paced_and_the_startup_load_is_not(
     replica.reconfigure({**cfg, "target": target(demo["ranker-v42"], 5)})
     assert replica.report().timings["paced"] == 0.0  # nothing serves here until it is done
     replica.reconfigure({**cfg, "target": target(demo["ranker-v41"], 6)})
-    wait_for(lambda: replica.report().actual_revision == 6, "revision 6 installed")
+    wait_until(
+        lambda: replica.report().actual_revision == 6, TIMEOUT, "revision 6 installed", every=0.01
+    )
     assert replica.report().timings["paced"] > 0.0
     replica.reconfigure(
         {**cfg, "loading": {"cpu_share": 1.0}, "target": target(demo["ranker-v42"], 7)}
     )
-    wait_for(lambda: replica.report().actual_revision == 7, "revision 7 installed")
+    wait_until(
+        lambda: replica.report().actual_revision == 7, TIMEOUT, "revision 7 installed", every=0.01
+    )
     assert replica.report().timings["paced"] == 0.0  # a full share: unpaced
 
 
@@ -191,7 +194,9 @@ def test_a_cleared_target_retires_the_model_and_a_newer_one_loads(
     assert serving._holder.wait_idle(TIMEOUT) and model.closed  # cleaned up, lease released
     # A later target loads in the background (the replica is running: no blocking load).
     assert serving.reconfigure(config(tmp_path, target=target(demo["ranker-v41"], 6)))
-    wait_for(lambda: serving.report().actual_revision == 6, "revision 6 installed")
+    wait_until(
+        lambda: serving.report().actual_revision == 6, TIMEOUT, "revision 6 installed", every=0.01
+    )
     assert serving.rank([request()]).model.artifact_id == "ranker-v41"
     assert serving.report().phase == "ready"
 
@@ -212,7 +217,9 @@ def test_a_failed_target_on_an_idle_running_replica_is_reported_not_raised(
     replica.reconfigure(config(tmp_path))  # an idle pool starts with no target
     broken = {**target(demo["ranker-v41"], 2), "feature_schema": "ranker-features-v2"}
     assert replica.reconfigure(config(tmp_path, target=broken))  # no exception
-    wait_for(lambda: replica.report().phase == "failed", "the broken target failed")
+    wait_until(
+        lambda: replica.report().phase == "failed", TIMEOUT, "the broken target failed", every=0.01
+    )
     assert replica.report().last_error["category"] == "schema"  # type: ignore[index]
 
 

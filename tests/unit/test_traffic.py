@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from app.client import RetryPolicy
 from rollout.traffic import (
     RequestRecord,
     TrafficRun,
@@ -35,7 +36,12 @@ def fake_router():
             payload = json.dumps(
                 {
                     "ranking": [{"id": c["id"], "score": 0.5} for c in body["candidates"][:3]],
-                    "model": {"artifact_id": f"a-{cohort}", "revision": 1, "cohort": cohort},
+                    "model": {
+                        "artifact_id": f"a-{cohort}",
+                        "revision": 1,
+                        "cohort": cohort,
+                        "replica": f"r-{cohort}",
+                    },
                 }
             ).encode()
             self.send_response(status)
@@ -74,6 +80,30 @@ def test_open_loop_is_bounded_by_time(fake_router):
     assert 20 <= len(records) <= 45
     starts = sorted(r.start_s for r in records)
     assert starts[-1] < 1.5
+
+
+def test_user_keys_carry_the_prefix_and_records_the_replica(fake_router):
+    url, seen = fake_router
+    spec = TrafficSpec(url=url, rate=None, concurrency=2, max_requests=30, user_prefix="probe")
+    records = TrafficRun(spec).start().join(timeout=60)
+    assert len(records) == 30
+    assert all(b["user_id"].startswith("probe-") for b in seen)
+    assert all(r.replica == f"r-{r.cohort}" and r.attempts == 1 for r in records)
+
+
+def test_retrying_client_counts_attempts_and_records_a_call_it_gave_up(fake_router):
+    url, seen = fake_router
+    policy = RetryPolicy(max_attempts=3, initial_s=0.01, cap_s=0.02, deadline_s=10)
+    spec = TrafficSpec(url=url, rate=None, concurrency=2, max_requests=60, users=14, retry=policy)
+    records = TrafficRun(spec).start().join(timeout=60)
+    assert len(records) == 60
+    gave_up = [r for r in records if r.user == "user-13"]  # the fake answers it 503, always
+    assert gave_up, "the seeded users include user-13"
+    for r in gave_up:
+        assert (r.status, r.attempts) == (0, 3) and "gave up after 3 attempts" in (r.error or "")
+    answered = [r for r in records if r.user != "user-13"]
+    assert all(r.status == 200 and r.attempts == 1 and r.cohort for r in answered)
+    assert len(seen) == len(answered) + 3 * len(gave_up)
 
 
 @pytest.mark.parametrize(

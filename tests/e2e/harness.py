@@ -1,0 +1,524 @@
+"""The e2e harness: one real Ray cluster with Serve per session, the two applications the tests
+drive on it, and the traffic they send. tests/e2e/conftest.py makes fixtures of it;
+tests/e2e/dsl.py builds the acceptance scenarios' Given / When / Then on it.
+
+The session cluster (``session_cluster``, fixture ``cluster``):
+
+- ``ray.init(address="local")`` so the tests never attach to somebody else's cluster; GCS,
+  dashboard, metrics export and HTTP ports are picked free here (two Serve instances could
+  otherwise share 127.0.0.1:8000, RAY_FACTS.md).
+- The ``ranker`` app is deployed declaratively through the dashboard REST API (token auth),
+  exactly as the rollout controller does it, so user_config changes reach live replicas via
+  reconfigure.
+- A ``ReportCollector`` actor stands in for the rollout controller: replicas push their
+  instance reports to it by name.
+- Per test (``reset_serving``, fixture ``serving``): a cheap reset (stable and canary back to
+  their baseline artifacts under a fresh, higher revision; router weights and flags back to
+  baseline; no injected faults), not a redeploy.
+- Fault injection (``faults`` in a ranker's user_config) is allowed in this cluster: the
+  driver sets ROLLOUT_FAULT_INJECTION=allow before ``ray.init``, and the raylet and every
+  worker it starts inherit the driver's environment.
+
+The rollout application (``rollout_application``, fixtures ``env`` and ``rollout_env``): a
+second Serve application in the session cluster, ``rollout-e2e`` at ``/rollout``, with its own
+router, stable and canary replicas, so revisions start from the registry's (1, 2, ...) and
+its replicas report to the real controller actor (``rollout-controller``), while the first
+application keeps serving the data-plane tests. Used by the controller tests and the
+acceptance scenarios.
+
+Traffic is rollout.traffic.TrafficRun, the generator behind bench/loadgen.py and the demo:
+``client_load`` (closed loop, plain client: every non-2xx counted; the data-plane tests),
+``steady_traffic`` (open loop at a fixed rate from 500 keyed users, plain client) and
+``retrying_clients`` (closed loop through app/client.py's retrying client).
+
+Waits poll through app.polling.wait_until. A predicate that asserts, or reads the cluster
+(REST, HTTP, Ray) while it changes, waits with ``retry_on=(Exception,)``: its failures mean
+"not yet", and the last one is named if the wait times out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import ray
+
+from app.client import RetryPolicy
+from app.demo_artifacts import make_demo_artifacts
+from app.features import NUM_FEATURES
+from app.packing import PackResult
+from app.polling import wait_until
+from app.registry import Registry, open_registry
+from app.replica import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
+from rollout.controller import (
+    CONTROLLER_NAME,
+    CONTROLLER_NAMESPACE,
+    ControllerSettings,
+    ensure_controller,
+    get_controller,
+)
+from rollout.local_cluster import LocalCluster
+from rollout.serve_control import ServeControl
+from rollout.traffic import RequestRecord, TrafficRun, TrafficSpec
+
+# The session's data-plane application.
+APP = "ranker"
+REPORTS_ACTOR = "e2e-reports"
+REPORTS_NAMESPACE = "e2e"
+STABLE_REPLICAS = 2
+BASELINE_ROUTER = {
+    "canary_bp": 0,
+    "draining": False,
+    "allow_cohort_header": True,
+    "failover": True,
+}
+
+# The application the real rollout controller drives.
+ROLLOUT_APP = "rollout-e2e"
+ROLLOUT_PREFIX = "/rollout"
+BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
+
+FAST_PLAN: dict[str, Any] = {
+    "steps": [20, 50, 100],
+    "interval_s": 3,
+    "min_requests": 5,
+    "threshold": 2,
+    "progress_deadline_s": 60,
+    "promotion": "shift",
+    "checks": {
+        "success_rate_min": 0.99,
+        "p99_max_ms": 3000,
+        "error_rate_max_ratio": 3.0,
+        "error_rate_floor": 0.02,
+        "p99_max_ratio": 4.0,
+        "p99_slack_ms": 150,
+    },
+    "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
+}
+
+
+# ====================================================================== requests and traffic
+
+
+def candidate(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    features: list[float | None] = [float(x) for x in rng.normal(size=NUM_FEATURES)]
+    features[3] = None  # a missing feature
+    return {"id": f"c{i}", "features": features}
+
+
+def rank_body(user: str | None = None, n: int = 8, top_n: int = 5) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "candidates": [candidate(i) for i in range(n)],
+        "top_n": top_n,
+        "context": {"surface": "search", "hour_of_day": 13},
+    }
+    if user is not None:
+        body["user_id"] = user
+    return body
+
+
+@contextmanager
+def client_load(url: str, *, concurrency: int = 4, users: int = 200) -> Iterator[TrafficRun]:
+    """Closed-loop rank requests (``concurrency`` workers, each sending its next request when
+    the previous answer came) from a background thread while the block runs, once 5 answers
+    came back. A plain client, no retries: every non-2xx the service returns is recorded.
+
+    Requests as ``rank_body`` makes them (8 candidates, top 5) from ``users`` keyed users;
+    bounded only far beyond what a test runs (pytest's own timeout is 600 s)."""
+    spec = TrafficSpec(
+        url=url,
+        rate=None,
+        concurrency=concurrency,
+        max_requests=1_000_000,
+        max_seconds=600,
+        users=users,
+        candidates=8,
+        top_n=5,
+        timeout_s=60,
+    )
+    run = TrafficRun(spec).start()
+    try:
+        wait_until(lambda: len(run.records) >= 5, 60, "load generator warmed up")
+        yield run
+    finally:
+        run.stop(60)
+
+
+def steady_traffic(url: str, rate: float, **spec: Any) -> TrafficRun:
+    """Open-loop traffic at ``rate`` requests/s from 500 users keyed by user id, started; a
+    plain client (no retries): every non-2xx the service returns is recorded. ``spec``:
+    other TrafficSpec fields (connections, timeouts)."""
+    return TrafficRun(
+        TrafficSpec(url=url, rate=rate, max_requests=50_000, max_seconds=600, users=500, **spec)
+    ).start()
+
+
+def retrying_clients(url: str, concurrency: int = 4) -> TrafficRun:
+    """``concurrency`` closed-loop clients, started, each calling app/client.py's retrying
+    client (503/429/5xx and connection errors retried, Retry-After honoured, backoff with
+    jitter) for 200 keyed users; a record is one call, with its attempts (status 0: the client
+    gave up)."""
+    policy = RetryPolicy(max_attempts=20, initial_s=0.1, cap_s=2.0, deadline_s=60.0)
+    spec = TrafficSpec(
+        url=url,
+        rate=None,
+        concurrency=concurrency,
+        max_requests=1_000_000,
+        max_seconds=600,
+        users=200,
+        user_prefix="retrying-user",
+        candidates=8,
+        top_n=5,
+        timeout_s=30.0,
+        retry=policy,
+    )
+    return TrafficRun(spec).start()
+
+
+def failed(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """Requests without a 2xx answer (status 0: no HTTP answer at all)."""
+    return [r for r in records if not 200 <= r.status < 300]
+
+
+def assert_all_ok(records: Sequence[RequestRecord]) -> None:
+    bad = failed(records)
+    assert not bad, (
+        f"{len(bad)} of {len(records)} requests failed: {dict(Counter(r.status for r in bad))} "
+        f"(0: no HTTP answer), first {bad[:5]}"
+    )
+
+
+# ====================================================================== the session cluster
+
+
+@ray.remote(num_cpus=0)
+class ReportCollector:
+    """Stands in for the rollout controller's ``report_instance`` endpoint."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, Any]] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def report_instance(self, report: dict[str, Any]) -> None:
+        self.latest[report["replica_id"]] = report
+        self.history.append(report)
+        del self.history[:-5000]
+
+    def get_latest(self) -> dict[str, dict[str, Any]]:
+        return self.latest
+
+    def get_history(self) -> list[dict[str, Any]]:
+        return self.history
+
+
+@dataclass
+class Cluster:
+    http_url: str
+    dashboard_url: str
+    metrics_url: str
+    rest: ServeControl
+    work: Path
+    demo: dict[str, PackResult]
+    reports: Any  # ActorHandle of ReportCollector
+    _revisions: Iterator[int] = field(default_factory=lambda: itertools.count(100))
+
+    def revision(self) -> int:
+        """A fresh revision, higher than every one used before in this session."""
+        return next(self._revisions)
+
+    def target(self, packed: PackResult, revision: int | None = None) -> dict[str, Any]:
+        return {
+            "revision": revision or self.revision(),
+            "artifact_id": packed.artifact_id,
+            "manifest_uri": packed.manifest_uri,
+            "manifest_sha256": packed.manifest_sha256,
+            "feature_schema": "ranker-features-v3",
+        }
+
+    def set_target(self, cohort: str, target: dict[str, Any]) -> None:
+        self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "target": target}})
+
+    def set_faults(self, cohort: str, faults: dict[str, float] | None) -> None:
+        """Inject (or, with None, remove) faults in a cohort's rank calls (app.replica)."""
+        self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "faults": faults}})
+
+    def set_router(self, **changes: Any) -> None:
+        self.rest.update_user_configs(APP, {"router": lambda cfg: {**cfg, **changes}})
+
+    def latest_reports(self, cohort: str) -> dict[str, dict[str, Any]]:
+        live = {r["replica_id"] for r in self.rest.replicas(APP, cohort) if r["state"] == "RUNNING"}
+        latest = ray.get(self.reports.get_latest.remote())
+        return {rid: rep for rid, rep in latest.items() if rid in live}
+
+    def wait_cohort_serving(self, cohort: str, artifact: str, revision: int, timeout=60) -> None:
+        def all_there() -> bool:
+            reps = self.latest_reports(cohort)
+            expected = STABLE_REPLICAS if cohort == "stable" else 1
+            assert len(reps) == expected, f"{len(reps)} reports of {expected} replicas"
+            for rep in reps.values():
+                assert (rep["actual_artifact"], rep["actual_revision"]) == (artifact, revision), rep
+            return True
+
+        wait_until(
+            all_there,
+            timeout,
+            f"{cohort} serving {artifact} at revision {revision}",
+            retry_on=(Exception,),
+        )
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.http_url}/v1/status", timeout=10).json()
+
+
+def app_args(work: Path, demo: dict[str, PackResult]) -> dict[str, Any]:
+    def target(name: str) -> dict[str, Any]:
+        p = demo[name]
+        return {
+            "revision": 1,
+            "artifact_id": p.artifact_id,
+            "manifest_uri": p.manifest_uri,
+            "manifest_sha256": p.manifest_sha256,
+        }
+
+    return {
+        "stable": {
+            "num_replicas": STABLE_REPLICAS,
+            "num_cpus": 0.1,
+            "target": target("ranker-v41"),
+        },
+        "canary": {"num_replicas": 1, "num_cpus": 0.1, "target": target("ranker-v42")},
+        "router": {
+            "canary_bp": 0,
+            "allow_cohort_header": True,
+            "probe_interval_s": 0.5,
+            "request_timeout_s": 5.0,
+        },
+        "router_num_cpus": 0.1,
+        "cache_dir": str(work / "cache"),
+        "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 3},
+        "controller": {"name": REPORTS_ACTOR, "namespace": REPORTS_NAMESPACE},
+        "report_interval_s": 1.0,
+    }
+
+
+@contextmanager
+def session_cluster(work: Path) -> Iterator[Cluster]:
+    """Ray and Serve on free ports with the ``ranker`` app RUNNING and its router ready;
+    stopped (only what this started) at the end."""
+    demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
+    os.environ[FAULT_INJECTION_ENV] = FAULT_INJECTION_ALLOWED  # inherited by every worker
+    # Free ports for GCS, dashboard, metrics and HTTP; logical CPUs so that replicas asking
+    # for fractions fit on 2 cores (RAY_FACTS.md).
+    local = LocalCluster.start(num_cpus=4, namespace=REPORTS_NAMESPACE)
+    rest = local.serve_control()
+    try:
+        reports = ReportCollector.options(name=REPORTS_ACTOR, lifetime="detached").remote()
+        wait_until(
+            lambda: rest.details() is not None, 60, "dashboard REST API up", retry_on=(Exception,)
+        )
+        local.deploy(
+            [
+                {
+                    "name": APP,
+                    "route_prefix": "/",
+                    "import_path": "app.main:build_app",
+                    "args": app_args(work, demo),
+                }
+            ]
+        )
+        c = Cluster(
+            http_url=local.http_url,
+            dashboard_url=local.dashboard_url,
+            metrics_url=local.metrics_url,
+            rest=rest,
+            work=work,
+            demo=demo,
+            reports=reports,
+        )
+        wait_until(
+            lambda: httpx.get(f"{c.http_url}/readyz", timeout=5).status_code == 200,
+            60,
+            "router ready",
+            retry_on=(Exception,),
+        )
+        yield c
+    finally:
+        rest.close()
+        LocalCluster.stop()
+        os.environ.pop(FAULT_INJECTION_ENV, None)
+
+
+def reset_serving(cluster: Cluster) -> None:
+    """Cheap reset: baseline router flags; stable v41 and canary v42 under fresh revisions
+    (replicas ignore lower revisions, so a reset always moves forward); no injected faults."""
+    stable_rev, canary_rev = cluster.revision(), cluster.revision()
+    stable = cluster.target(cluster.demo["ranker-v41"], stable_rev)
+    canary = cluster.target(cluster.demo["ranker-v42"], canary_rev)
+    cluster.rest.update_user_configs(
+        APP,
+        {
+            "router": lambda cfg: {**cfg, **BASELINE_ROUTER},
+            "stable": lambda cfg: {**cfg, "target": stable, "faults": None},
+            "canary": lambda cfg: {**cfg, "target": canary, "faults": None},
+        },
+    )
+    wait_until(
+        lambda: cluster.rest.app_status(APP) == "RUNNING",
+        120,
+        "app RUNNING",
+        retry_on=(Exception,),
+    )
+    cluster.wait_cohort_serving("stable", "ranker-v41", stable_rev)
+    cluster.wait_cohort_serving("canary", "ranker-v42", canary_rev)
+
+
+# ====================================================================== the rollout application
+
+
+@dataclass
+class RolloutEnv:
+    cluster: Cluster
+    registry: Registry
+    control: ServeControl
+    settings: ControllerSettings
+    url: str
+
+    @property
+    def controller(self) -> Any:
+        return ensure_controller(self.settings)
+
+    def status(self) -> dict[str, Any]:
+        return ray.get(self.controller.status.remote(), timeout=60)
+
+    def start(self, candidate: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        return ray.get(
+            self.controller.start_rollout.remote(candidate, plan or FAST_PLAN, "e2e"), timeout=60
+        )
+
+    def command(self, name: str, reason: str = "") -> dict[str, Any]:
+        return ray.get(self.controller.command.remote(name, reason), timeout=60)
+
+    def wait_for_phase(self, *phases: str, timeout: float = 90, finished: bool = False) -> dict:
+        def reached() -> dict[str, Any] | None:
+            view = self.status()
+            if view.get("phase") in phases and (view.get("finished") or not finished):
+                return view
+            return None
+
+        desc = f"rollout phase {'/'.join(phases)}{' (finished)' if finished else ''}"
+        return wait_until(reached, timeout, desc, every=0.3, retry_on=(Exception,))
+
+    def stable_target(self) -> str:
+        return self.registry.get_target("ranker", "default", "stable").artifact_id
+
+    def traffic(self, rate: float = 30) -> TrafficRun:
+        return steady_traffic(self.url, rate)
+
+    def replica_ids(self, deployment: str) -> set[str]:
+        status = self.control.deployment_status(ROLLOUT_APP, deployment)
+        return {r["replica_id"] for r in status["replicas"] if r["state"] == "RUNNING"}
+
+
+def register(registry: Registry, packed: Any) -> None:
+    registry.register_artifact(packed.manifest_uri, packed.manifest_sha256)
+    registry.approve_artifact("ranker", packed.artifact_id, actor="e2e")
+
+
+@contextmanager
+def rollout_application(cluster: Cluster, name: str) -> Iterator[RolloutEnv]:
+    """``rollout-e2e`` RUNNING in the session cluster with stable on the baseline, its own
+    SQLite registry (``name`` tells it apart) and the controller running; all removed at the
+    end."""
+    registry_url = f"sqlite:///{cluster.work / f'rollout-registry-{name}.db'}"
+    registry = open_registry(registry_url)
+    for artifact in (BASELINE, CANDIDATE):
+        register(registry, cluster.demo[artifact])
+    stable = registry.publish(
+        "ranker", "default", "stable", BASELINE, 0, actor="e2e", reason="init"
+    )
+    control = ServeControl(cluster.dashboard_url)
+    app = {
+        "name": ROLLOUT_APP,
+        "route_prefix": ROLLOUT_PREFIX,
+        "import_path": "app.main:build_app",
+        "args": {
+            "stable": {
+                "num_replicas": 1,
+                "num_cpus": 0.1,
+                "target": {
+                    "revision": stable.revision,
+                    "artifact_id": stable.artifact_id,
+                    "manifest_uri": stable.manifest_uri,
+                    "manifest_sha256": stable.manifest_sha256,
+                },
+            },
+            "canary": {"num_replicas": 1, "num_cpus": 0.1},
+            "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},
+            "router_num_cpus": 0.1,
+            "cache_dir": str(cluster.work / "rollout-cache"),
+            "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 2},
+            "controller": {"name": CONTROLLER_NAME, "namespace": CONTROLLER_NAMESPACE},
+            "report_interval_s": 0.5,
+        },
+    }
+    control.update(lambda config: config["applications"].append(app))
+    wait_until(
+        lambda: (
+            (control.details()["applications"].get(ROLLOUT_APP) or {}).get("status") == "RUNNING"
+        ),
+        180,
+        f"{ROLLOUT_APP} RUNNING",
+        retry_on=(Exception,),
+    )
+    settings = ControllerSettings(
+        registry_url=registry_url,
+        dashboard_url=cluster.dashboard_url,
+        app_name=ROLLOUT_APP,
+        metrics_endpoints=(cluster.metrics_url,),
+        tick_interval_s=0.3,
+        metrics_delay_s=1.2,
+        report_stale_s=10,
+    )
+    environment = RolloutEnv(
+        cluster, registry, control, settings, cluster.http_url + ROLLOUT_PREFIX
+    )
+    # Every test finds the controller running, whichever test of the module runs first.
+    ensure_controller(settings)
+    try:
+        yield environment
+    finally:
+        handle = get_controller()
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+        control.update(
+            lambda config: config.update(
+                applications=[a for a in config["applications"] if a["name"] != ROLLOUT_APP]
+            )
+        )
+        wait_until(
+            lambda: ROLLOUT_APP not in (control.details().get("applications") or {}),
+            120,
+            f"{ROLLOUT_APP} deleted",
+            retry_on=(Exception,),
+        )
+        control.close()
+        registry.close()
+
+
+def reset_rollout(env: RolloutEnv) -> None:
+    """Back to stable on the baseline and no rollout running (a test's teardown)."""
+    view = env.status()
+    if view.get("rollout") and not view.get("finished"):
+        env.command("abort", "test teardown")
+        env.wait_for_phase("aborted", "rolled_back", "failed", "succeeded", finished=True)
+    if env.stable_target() != BASELINE:
+        ray.get(env.controller.rollback_stable.remote(BASELINE, "e2e", "reset"), timeout=60)
