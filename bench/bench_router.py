@@ -325,7 +325,7 @@ def main() -> int:
             {
                 "name": "routed",
                 "route_prefix": "/routed",
-                "import_path": "app.main:build_app",
+                "import_path": "deployments.app:build_app",
                 "args": {
                     **common,
                     "stable": cohort,
@@ -336,7 +336,7 @@ def main() -> int:
             {
                 "name": "direct",
                 "route_prefix": "/direct",
-                "import_path": "app.main:build_app",
+                "import_path": "deployments.app:build_app",
                 "args": {**common, "stable": cohort, "mode": "ranker_only"},
             },
         ]

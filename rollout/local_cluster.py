@@ -1,9 +1,10 @@
 """A local Ray cluster with Serve on ports of its own, for the demo and the tests.
 
 ``ray.init()`` with no address attaches to whatever cluster runs on the machine, and two
-Serve instances can both bind 127.0.0.1:8000 (RAY_FACTS.md), so this always starts a new
-cluster (``address="local"``) on free ports: GCS, dashboard, metrics export and HTTP. It stops
-only what it started (``ray.shutdown()``), never other Ray processes on the machine.
+Serve instances can both bind 127.0.0.1:8000 without an error (the kernel then splits
+connections between them), so this always starts a new cluster (``address="local"``) on free
+ports: GCS, dashboard, metrics export and HTTP. It stops only what it started
+(``ray.shutdown()``), never other Ray processes on the machine.
 """
 
 from __future__ import annotations

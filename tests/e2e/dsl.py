@@ -1,5 +1,5 @@
-"""Given / When / Then over one acceptance scenario (STYLE.md section 3, after Argo Rollouts'
-test fixtures).
+"""Given / When / Then over one acceptance scenario, in the manner of Argo Rollouts' e2e test
+fixtures.
 
 A ``Scenario`` holds what one scenario knows: the rollout environment (tests/e2e/harness.py),
 the traffic run, the rollout it started, named moments on the traffic clock, and the undo steps
@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import ray
 
-from app.api import RouterConfig
+from app.contracts import RouterConfig
 from app.packing import PackResult
 from app.polling import WaitTimeout, wait_until
 from app.routing import BASIS_POINTS, choose_cohort, request_key

@@ -6,7 +6,7 @@ The session cluster (``session_cluster``, fixture ``cluster``):
 
 - ``ray.init(address="local")`` so the tests never attach to somebody else's cluster; GCS,
   dashboard, metrics export and HTTP ports are picked free here (two Serve instances could
-  otherwise share 127.0.0.1:8000, RAY_FACTS.md).
+  otherwise share 127.0.0.1:8000 without an error: the kernel splits connections).
 - The ``ranker`` app is deployed declaratively through the dashboard REST API (token auth),
   exactly as the rollout controller does it, so user_config changes reach live replicas via
   reconfigure.
@@ -317,7 +317,7 @@ def session_cluster(work: Path) -> Iterator[Cluster]:
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
     os.environ[FAULT_INJECTION_ENV] = FAULT_INJECTION_ALLOWED  # inherited by every worker
     # Free ports for GCS, dashboard, metrics and HTTP; logical CPUs so that replicas asking
-    # for fractions fit on 2 cores (RAY_FACTS.md).
+    # for fractions fit on 2 cores (a replica asks for 1 CPU unless told otherwise).
     local = LocalCluster.start(num_cpus=4, namespace=REPORTS_NAMESPACE)
     rest = local.serve_control()
     try:
@@ -330,7 +330,7 @@ def session_cluster(work: Path) -> Iterator[Cluster]:
                 {
                     "name": APP,
                     "route_prefix": "/",
-                    "import_path": "app.main:build_app",
+                    "import_path": "deployments.app:build_app",
                     "args": app_args(work, demo),
                 }
             ]
@@ -449,7 +449,7 @@ def rollout_application(cluster: Cluster, name: str) -> Iterator[RolloutEnv]:
     app = {
         "name": ROLLOUT_APP,
         "route_prefix": ROLLOUT_PREFIX,
-        "import_path": "app.main:build_app",
+        "import_path": "deployments.app:build_app",
         "args": {
             "stable": {
                 "num_replicas": 1,

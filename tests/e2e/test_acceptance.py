@@ -1,4 +1,4 @@
-"""Acceptance scenarios under steady load and faults (issue 6 item 2; seeds/000 section 9).
+"""Acceptance scenarios under steady load and faults: the failures a rollout must survive.
 
 Each scenario drives the real controller on the ``rollout-e2e`` application
 (tests/e2e/harness.py) through tests/e2e/dsl.py's Given / When / Then, under open-loop

@@ -8,7 +8,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from app.main import PROJECT_ROOT, AppArgs, build_app
+from app.contracts import AppArgs
+from deployments.app import PROJECT_ROOT, build_app
 
 CONFIGS = ["configs/local.yaml", "configs/serve.yaml"]
 
@@ -19,7 +20,7 @@ def test_serve_config_validates(name: str) -> None:
     schema = ServeDeploySchema.model_validate(doc)
     assert [a.name for a in schema.applications] == ["ranker"]
     app = doc["applications"][0]
-    assert app["import_path"] == "app.main:build_app"
+    assert app["import_path"] == "deployments.app:build_app"
     AppArgs.model_validate(app["args"])
 
 
