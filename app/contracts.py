@@ -57,13 +57,14 @@ def _lower(value: str) -> str:
     return value.lower()
 
 
+MAX_TEXT: Final = 4000  # characters of a message or reason
+MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
+
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-Text = Annotated[str, StringConstraints(max_length=4000)]
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 PathText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 Uri = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-Sha256 = Annotated[
-    str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)
-]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)]
 Revision = Annotated[int, Field(ge=1, le=MAX_REVISION)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
@@ -172,8 +173,7 @@ class Target(Contract):
 
     def same_artifact(self, other: Target) -> bool:
         return (
-            self.artifact_id == other.artifact_id
-            and self.manifest_sha256 == other.manifest_sha256
+            self.artifact_id == other.artifact_id and self.manifest_sha256 == other.manifest_sha256
         )
 
 
@@ -353,10 +353,35 @@ class ErrorInfo(Contract):
     message: Text
     artifact_id: Name | None = None
     revision: Revision | None = None
-    field: Annotated[str, StringConstraints(max_length=400)] | None = None
+    field: Annotated[str, StringConstraints(max_length=MAX_FIELD_PATH)] | None = None
+
+    @classmethod
+    def clipped(
+        cls,
+        category: str,
+        message: str,
+        *,
+        artifact_id: str | None = None,
+        revision: int | None = None,
+        field: str | None = None,
+    ) -> ErrorInfo:
+        """One whose message and field may come from text of any length (an exception's
+        message, a field path a config chose): cut to the bounds, so that reporting a failure
+        cannot fail itself."""
+        return cls(
+            category=category,
+            message=_clip(message, MAX_TEXT),
+            artifact_id=artifact_id,
+            revision=revision,
+            field=None if field is None else _clip(field, MAX_FIELD_PATH),
+        )
 
     def describe(self) -> str:
         return f"{self.category}: {self.message}"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LoadTimings(Contract):

@@ -39,22 +39,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.cache import ArtifactCache, Lease
-from app.contracts import ModelMeta, WireAnswer, WireRequest
+from app.contracts import ErrorInfo, ModelMeta, ReplicaPhase, Target, WireAnswer, WireRequest
 from app.errors import ArtifactRejected, ConfigError
 from app.features import FEATURE_SCHEMA, RankRequest
 from app.generations import Generation, GenerationHolder, NotReady
 from app.load_pacing import LoadPacer
 from app.loader import LoadedModel, default_device, load_verified
 from app.memory import MemoryBudget, device_capacity
-from app.reconciler import (
-    BackoffPolicy,
-    ErrorInfo,
-    Phase,
-    ReconcileEvent,
-    Reconciler,
-    Snapshot,
-    Target,
-)
+from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, ReconcilerSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +487,7 @@ class RankerReplica:
                 raise  # startup: Serve reports the deployment as failed, nothing serves yet
             log.error("%s: user_config refused, keeping the current one: %s", self.replica_id, exc)
             self._set_config_error(
-                ErrorInfo("config", f"user_config refused, the previous one stays: {exc}"),
+                f"user_config refused, the previous one stays: {exc}",
                 field=str(exc.ids.get("field") or "user_config"),
             )
             return False
@@ -537,12 +529,8 @@ class RankerReplica:
                 FAULT_INJECTION_ALLOWED,
             )
             self._set_config_error(
-                ErrorInfo(
-                    "config",
-                    f"user_config.faults ignored: fault injection needs "
-                    f"{FAULT_INJECTION_ENV}={FAULT_INJECTION_ALLOWED} in the replica's "
-                    f"environment",
-                ),
+                f"user_config.faults ignored: fault injection needs "
+                f"{FAULT_INJECTION_ENV}={FAULT_INJECTION_ALLOWED} in the replica's environment",
                 field="user_config.faults",
             )
             return
@@ -555,8 +543,8 @@ class RankerReplica:
             self._config_error = None
             self._reporter.poke()
 
-    def _set_config_error(self, error: ErrorInfo, *, field: str) -> None:
-        self._config_error = ErrorInfo(error.category, error.message, field=field)
+    def _set_config_error(self, message: str, *, field: str) -> None:
+        self._config_error = ErrorInfo.clipped("config", message, field=field)
         self._config_error_seq = next(self._error_seq)
         self._reporter.poke()
 
@@ -610,7 +598,7 @@ class RankerReplica:
 
     # ------------------------------------------------------------------ reports
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> ReconcilerSnapshot:
         return self._reconciler.snapshot()
 
     def report(self) -> InstanceReport:
@@ -696,22 +684,14 @@ class RankerReplica:
         self._holder.close()
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> ReplicaPhase:
         return self._reconciler.snapshot().phase
 
 
 def _error_dict(err: ErrorInfo | None) -> dict[str, Any] | None:
     if err is None:
         return None
-    out: dict[str, Any] = {
-        "category": err.category,
-        "message": err.message,
-        "artifact_id": err.artifact_id,
-        "revision": err.revision,
-    }
-    if err.field is not None:
-        out["field"] = err.field
-    return out
+    return err.model_dump(exclude={"field"} if err.field is None else None)
 
 
 class _Reporter:

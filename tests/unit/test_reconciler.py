@@ -8,24 +8,23 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
+from app.contracts import ReplicaPhase, Target
 from app.errors import ArtifactRejected
+from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
     Decision,
-    Phase,
     ReconcileEvent,
     Reconciler,
-    Target,
     is_retryable,
     lower_thread_priority,
 )
 
+WAIT_S = 5.0  # for a loader thread to get where a test waits for it
 FAST = BackoffPolicy(initial_s=0.01, multiplier=2.0, cap_s=0.05, max_attempts=4)
 
 
@@ -37,15 +36,6 @@ def target(revision: int, artifact: str = "a") -> Target:
         manifest_sha256=(artifact.encode().hex() * 64)[:64],
         feature_schema="ranker-features-v3",
     )
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, desc: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for: {desc}")
 
 
 @dataclass
@@ -106,7 +96,7 @@ def test_startup_load_is_synchronous() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1))
     snap = rec.snapshot()
-    assert snap.actual == target(1) and snap.phase is Phase.READY
+    assert snap.actual == target(1) and snap.phase is ReplicaPhase.READY
     assert loader.installed == [target(1)]
     rec.close()
 
@@ -135,9 +125,11 @@ def test_submit_returns_at_once_and_the_worker_installs(events: list[ReconcileEv
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     assert rec.submit(target(2, "b")) is Decision.ACCEPTED  # returns while the load is held
-    wait_for(lambda: loader.started[-1] == target(2, "b"), desc="load of b started")
+    wait_until(
+        lambda: loader.started[-1] == target(2, "b"), WAIT_S, "load of b started", every=0.005
+    )
     assert rec.snapshot().actual == target(1, "a")
-    assert rec.snapshot().phase is Phase.LOADING
+    assert rec.snapshot().phase is ReplicaPhase.LOADING
     gate.set()
     assert rec.wait_settled(5)
     assert rec.snapshot().actual == target(2, "b")
@@ -169,7 +161,9 @@ def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "slow"))
-    wait_for(lambda: loader.started[-1].artifact_id == "slow", desc="slow load started")
+    wait_until(
+        lambda: loader.started[-1].artifact_id == "slow", WAIT_S, "slow load started", every=0.005
+    )
     assert rec.submit(target(3, "a")) is Decision.ACCEPTED  # rollback to the old artifact
     slow.set()
     assert rec.wait_settled(5)
@@ -186,7 +180,7 @@ def test_latest_target_wins_over_pending_ones() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="b loading")
+    wait_until(lambda: loader.started[-1].artifact_id == "b", WAIT_S, "b loading", every=0.005)
     rec.submit(target(3, "c"))
     rec.submit(target(4, "d"))  # c is never started: it was superseded while pending
     first.set()
@@ -204,7 +198,7 @@ def test_a_final_failure_keeps_the_serving_target(events: list[ReconcileEvent]) 
     assert rec.wait_settled(5)
     snap = rec.snapshot()
     assert snap.actual == target(1, "a")
-    assert snap.phase is Phase.FAILED
+    assert snap.phase is ReplicaPhase.FAILED
     assert snap.last_error is not None and snap.last_error.category == "dry_run"
     assert snap.last_error.revision == 2
     assert len([t for t in loader.started if t.artifact_id == "bad"]) == 1  # not retried
@@ -235,7 +229,7 @@ def test_transient_failures_give_up_after_max_attempts() -> None:
     rec.submit(target(2, "b"))
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert snap.phase is ReplicaPhase.FAILED and snap.actual == target(1, "a")
     assert len([t for t in loader.started if t.artifact_id == "b"]) == FAST.max_attempts
     rec.close()
 
@@ -247,7 +241,7 @@ def test_a_new_target_cuts_a_backoff_short() -> None:
     rec = Reconciler(loader, policy=slow_policy, on_event=events.append)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: rec.snapshot().phase is Phase.BACKOFF, desc="backoff")
+    wait_until(lambda: rec.snapshot().phase is ReplicaPhase.BACKOFF, WAIT_S, "backoff", every=0.005)
     rec.submit(target(3, "c"))
     assert rec.wait_settled(5)  # did not wait out the 15-30 s backoff
     assert rec.snapshot().actual == target(3, "c")
@@ -262,7 +256,7 @@ def test_install_refused_by_the_holder_is_final() -> None:
     rec.submit(target(2, "b"))
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert snap.phase is ReplicaPhase.FAILED and snap.actual == target(1, "a")
     assert loader.discarded == [target(2, "b")]
     rec.close()
 
@@ -318,7 +312,7 @@ def test_clear_retires_the_serving_generation_and_goes_idle(
     rec.load_blocking(target(3, "a"))
     assert rec.clear() is True
     snap = rec.snapshot()
-    assert (snap.desired, snap.actual, snap.phase) == (None, None, Phase.IDLE)
+    assert (snap.desired, snap.actual, snap.phase) == (None, None, ReplicaPhase.IDLE)
     assert loader.retired == [target(3, "a")]
     assert events[-1].kind == "cleared" and events[-1].target == target(3, "a")
     assert rec.clear() is False  # nothing left to clear: no second retire
@@ -332,14 +326,16 @@ def test_a_load_in_flight_when_the_target_is_cleared_is_discarded() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: loader.started[-1].artifact_id == "b", desc="load of b started")
+    wait_until(
+        lambda: loader.started[-1].artifact_id == "b", WAIT_S, "load of b started", every=0.005
+    )
     rec.clear()
     slow.set()
     assert rec.wait_settled(5)
     assert loader.installed == [target(1, "a")]
     assert loader.discarded == [target(2, "b")]
     snap = rec.snapshot()
-    assert snap.actual is None and snap.phase is Phase.IDLE and snap.discarded == (2,)
+    assert snap.actual is None and snap.phase is ReplicaPhase.IDLE and snap.discarded == (2,)
     rec.close()
 
 
@@ -348,11 +344,11 @@ def test_clear_stops_retries_of_a_failing_target() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_for(lambda: len(loader.started) >= 2, desc="first attempt of b")
+    wait_until(lambda: len(loader.started) >= 2, WAIT_S, "first attempt of b", every=0.005)
     rec.clear()
     assert rec.wait_settled(5)
     started = len(loader.started)
-    assert rec.snapshot().phase is Phase.IDLE
+    assert rec.snapshot().phase is ReplicaPhase.IDLE
     # No retry is scheduled any more: a new target is the next thing the worker loads.
     rec.submit(target(3, "c"))
     assert rec.wait_settled(5)
@@ -376,7 +372,7 @@ def test_after_a_clear_newer_targets_load_and_older_ones_stay_late() -> None:
     assert rec.submit(target(6, "b")) is Decision.ACCEPTED
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.actual == target(6, "b") and snap.phase is Phase.READY
+    assert snap.actual == target(6, "b") and snap.phase is ReplicaPhase.READY
     assert loader.installed == [target(5, "a"), target(5, "a"), target(6, "b")]
     rec.close()
 
