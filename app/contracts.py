@@ -59,6 +59,7 @@ def _lower(value: str) -> str:
 
 MAX_TEXT: Final = 4000  # characters of a message or reason
 MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
+MAX_REPORTED_REVISIONS: Final = 1000  # discarded revisions in one instance report
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
@@ -427,7 +428,10 @@ class InstanceReport(Contract):
     runtime_build: Annotated[str, StringConstraints(max_length=200)] | None = None
     # The latest of the last load failure and the last refused (or partly ignored) config.
     last_error: ErrorInfo | None = None
-    discarded_revisions: Annotated[tuple[Revision, ...], Field(max_length=1000)] = ()
+    # The latest revisions loaded but never installed (superseded or refused).
+    discarded_revisions: Annotated[
+        tuple[Revision, ...], Field(max_length=MAX_REPORTED_REVISIONS)
+    ] = ()
     timings: LoadTimings = LoadTimings()
     # Wall clock at which the generation now serving was installed: "serving since", and
     # where a load ends when latency traces are lined up with it.

@@ -33,13 +33,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.cache import ArtifactCache, Lease
-from app.contracts import ErrorInfo, ModelMeta, ReplicaPhase, Target, WireAnswer, WireRequest
+from app.contracts import (
+    MAX_REPORTED_REVISIONS,
+    Capacity,
+    ControllerRef,
+    ErrorInfo,
+    FaultInjection,
+    InstanceReport,
+    LoadTimings,
+    MemoryFigures,
+    ModelMeta,
+    ReplicaConfig,
+    ReplicaPhase,
+    Target,
+    WireAnswer,
+    WireRequest,
+)
 from app.errors import ArtifactRejected, ConfigError
 from app.features import FEATURE_SCHEMA, RankRequest
 from app.generations import Generation, GenerationHolder, NotReady
@@ -50,8 +64,6 @@ from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, Reconciler
 
 log = logging.getLogger(__name__)
 
-MiB: Final = 1 << 20
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
 # Fault injection is honoured only where the replica's process environment says so.
 FAULT_INJECTION_ENV: Final = "ROLLOUT_FAULT_INJECTION"
 FAULT_INJECTION_ALLOWED: Final = "allow"
@@ -61,154 +73,7 @@ def fault_injection_allowed() -> bool:
     return os.environ.get(FAULT_INJECTION_ENV) == FAULT_INJECTION_ALLOWED
 
 
-# --------------------------------------------------------------------------- user_config
-
-
-class TargetConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    revision: Annotated[int, Field(ge=1)]
-    artifact_id: Annotated[str, Field(min_length=1, max_length=200)]
-    manifest_uri: Annotated[str, Field(min_length=1)]
-    manifest_sha256: Sha256
-    feature_schema: str = FEATURE_SCHEMA
-
-    def to_target(self) -> Target:
-        return Target(
-            revision=self.revision,
-            artifact_id=self.artifact_id,
-            manifest_uri=self.manifest_uri,
-            manifest_sha256=self.manifest_sha256.lower(),
-            feature_schema=self.feature_schema,
-        )
-
-
-class BatchingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.002
-
-
-class MemoryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    capacity_bytes: Annotated[int, Field(gt=0)] | None = None  # None: ask the device
-    margin_bytes: Annotated[int, Field(ge=0)] = 256 * MiB
-    margin_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
-
-    def budget(self) -> MemoryBudget:
-        return MemoryBudget(
-            capacity_bytes=self.capacity_bytes,
-            margin_bytes=self.margin_bytes,
-            margin_fraction=self.margin_fraction,
-        )
-
-
-class LoadingConfig(BaseModel):
-    """How a background load shares the host with the requests being served."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # The CPU share of one core each loading thread may take (app.load_pacing): hashing and
-    # dry-run forwards run in bursts of a few ms with pauses between them. 1 = unpaced. The
-    # startup load is never paced: the replica serves nothing until it is done.
-    cpu_share: Annotated[float, Field(gt=0, le=1)] = 0.25
-
-
-class RetryConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    initial_s: Annotated[float, Field(gt=0)] = 0.5
-    cap_s: Annotated[float, Field(gt=0)] = 30.0
-    max_attempts: Annotated[int, Field(ge=1)] = 6
-
-    def policy(self) -> BackoffPolicy:
-        return BackoffPolicy(
-            initial_s=self.initial_s, cap_s=self.cap_s, max_attempts=self.max_attempts
-        )
-
-
-class ControllerRef(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: Annotated[str, Field(min_length=1)]
-    namespace: str = "rollout"
-
-
-class FaultInjection(BaseModel):
-    """Test-only faults of a replica's rank calls (see ``FAULT_INJECTION_ENV``).
-
-    ``extra_latency_ms`` delays every rank call's answer (other calls keep running);
-    ``error_rate`` is the fraction of rank calls that fail with ``InjectedFault``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    extra_latency_ms: Annotated[float, Field(ge=0, le=600_000)] = 0.0
-    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
-
-
-class ReplicaConfig(BaseModel):
-    """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    cohort: Literal["stable", "canary"]
-    target: TargetConfig | None = None
-    batching: BatchingConfig = BatchingConfig()
-    memory: MemoryConfig = MemoryConfig()
-    loading: LoadingConfig = LoadingConfig()
-    retry: RetryConfig = RetryConfig()
-    trust_key: str | None = None  # path of the public key manifests must be signed with
-    controller: ControllerRef | None = None
-    cache_dir: str = "var/cache"
-    cache_byte_budget: Annotated[int, Field(gt=0)] | None = None
-    report_interval_s: Annotated[float, Field(gt=0)] = 10.0
-    faults: FaultInjection | None = None  # tests only; see FAULT_INJECTION_ENV
-
-    @classmethod
-    def parse(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
-        if isinstance(raw, ReplicaConfig):
-            return raw
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            field = f"user_config.{where}" if where else "user_config"
-            raise ConfigError(f"{field}: {first.get('msg')}", field=field) from None
-
-
 # --------------------------------------------------------------------------- reports
-
-
-class InstanceReport(BaseModel):
-    """What a replica tells the rollout controller (DESIGN.md "Reports")."""
-
-    replica_id: str
-    cohort: str
-    pid: int
-    phase: str
-    desired_revision: int | None
-    desired_artifact: str | None
-    actual_revision: int | None
-    actual_artifact: str | None
-    runtime_build: str | None
-    # The latest of the last load failure and the last refused (or partly ignored) config.
-    last_error: dict[str, Any] | None
-    discarded_revisions: list[int]
-    timings: dict[str, float]  # last successful load: download, verify, load, dry_run, install
-    # Wall clock (time.time()) at which the generation now serving was installed: "serving
-    # since", and where a load ends when latency traces are lined up with it.
-    installed_at: float | None = None
-    capacity: dict[str, Any]  # max_batch_size, device, memory (see _memory_report)
-    heartbeat: float  # wall clock (time.time()) of the report
-    seq: int  # increases with every report of this replica
-    # The refused or partly ignored current user_config, if any (category "config", field).
-    config_error: dict[str, Any] | None = None
-    # Fault injection in effect (tests only; None when off or not allowed here).
-    faults: dict[str, float] | None = None
 
 
 class ReportSink(Protocol):
@@ -276,7 +141,7 @@ class Candidate:
     target: Target
     model: LoadedModel
     lease: Lease
-    timings: dict[str, float]
+    timings: LoadTimings
     handed_over: bool = False  # given to the generation holder, which owns its cleanup
 
 
@@ -352,18 +217,15 @@ class ModelLoader:
         except BaseException:
             lease.release()
             raise
-        timings = {
-            # The cache hashes while it downloads (fetch_s), then fsyncs and publishes; a
-            # cache hit only re-checks (verify_s).
-            "download": float(artifact.timings.get("fetch_s", 0.0)),
-            "verify": float(
+        timings = LoadTimings(
+            download=float(artifact.timings.get("fetch_s", 0.0)),
+            verify=float(
                 artifact.timings.get("verify_s", 0.0) + artifact.timings.get("publish_s", 0.0)
             ),
-            "load": float(model.timings.get("load", 0.0)),
-            "dry_run": float(model.timings.get("dry_run", 0.0)),
-            # Of the stages above, the time spent in pacing pauses (LoadingConfig.cpu_share).
-            "paced": pacer.paused_s if pacer is not None else 0.0,
-        }
+            load=float(model.timings.get("load", 0.0)),
+            dry_run=float(model.timings.get("dry_run", 0.0)),
+            paced=pacer.paused_s if pacer is not None else 0.0,
+        )
         return Candidate(target, model, lease, timings)
 
     def install(self, target: Target, loaded: Candidate) -> bool:
@@ -378,7 +240,9 @@ class ModelLoader:
         if not self._holder.install(generation):
             # The holder cleaned the refused generation up (model closed, lease released).
             return False
-        loaded.timings["install"] = time.perf_counter() - started
+        loaded.timings = loaded.timings.model_copy(
+            update={"install": time.perf_counter() - started}
+        )
         self._on_installed(loaded)
         return True
 
@@ -417,7 +281,7 @@ class RankerReplica:
             cache=self._get_cache,
             holder=self._holder,
             leases=self._leases,
-            budget=lambda: self.config.memory.budget(),
+            budget=lambda: MemoryBudget.of(self.config.memory),
             device=self._device,
             on_installed=self._installed,
             cpu_share=lambda: self.config.loading.cpu_share if self._background else None,
@@ -428,7 +292,7 @@ class RankerReplica:
             name=f"reconciler-{replica_id}",
             worker_nice=loader_nice,
         )
-        self._timings: dict[str, float] = {}
+        self._timings = LoadTimings()
         self._installed_at: float | None = None
         # False until the first config was applied: the startup load runs unpaced.
         self._background = False
@@ -475,7 +339,7 @@ class RankerReplica:
         """
         old = self._config
         try:
-            new = ReplicaConfig.parse(raw)
+            new = ReplicaConfig.from_user_config(raw)
             if old is not None and new.cohort != old.cohort:
                 raise ConfigError(
                     f"user_config.cohort: a replica cannot move from {old.cohort!r} to "
@@ -495,9 +359,9 @@ class RankerReplica:
         if new == old:
             return False
         self._config = new
-        self._reconciler.set_policy(new.retry.policy())
-        if new.target is not None:
-            target = new.target.to_target()
+        self._reconciler.set_policy(BackoffPolicy.of(new.retry))
+        target = new.target
+        if target is not None:
             if old is None:
                 # Startup: no RUNNING replica without a verified model.
                 self._reconciler.load_blocking(target)
@@ -605,60 +469,59 @@ class RankerReplica:
         snap = self._reconciler.snapshot()
         cfg = self._config
         current = self._holder.current
-        err = snap.last_error
-        config_error = self._config_error
-        newer = self._config_error_seq > self._load_error_seq
-        if config_error is not None and (err is None or newer):
-            err = config_error
+        model = current.model if current is not None else None
         return InstanceReport(
             replica_id=self.replica_id,
-            cohort=cfg.cohort if cfg else "unknown",
+            cohort=cfg.cohort if cfg else None,
             pid=os.getpid(),
-            phase=snap.phase.value,
+            phase=snap.phase,
             desired_revision=snap.desired.revision if snap.desired else None,
             desired_artifact=snap.desired.artifact_id if snap.desired else None,
             actual_revision=current.revision if current else None,
             actual_artifact=current.artifact_id if current else None,
-            runtime_build=getattr(current.model, "runtime_build", None) if current else None,
-            last_error=_error_dict(err),
-            discarded_revisions=list(snap.discarded),
-            timings=dict(self._timings),
+            runtime_build=getattr(model, "runtime_build", None),
+            last_error=self._latest_error(snap.last_error),
+            discarded_revisions=snap.discarded[-MAX_REPORTED_REVISIONS:],
+            timings=self._timings,
             installed_at=self._installed_at if current is not None else None,
-            capacity={
-                "max_batch_size": cfg.batching.max_batch_size if cfg else None,
-                "device": str(self._device),
-                "memory": self._memory_report(current, cfg),
-            },
+            capacity=Capacity(
+                max_batch_size=cfg.batching.max_batch_size if cfg else None,
+                device=str(self._device),
+                memory=self._memory_figures(model, cfg),
+            ),
             heartbeat=time.time(),
             seq=self._reporter.next_seq(),
-            config_error=_error_dict(config_error),
-            faults=self._faults.model_dump() if self._faults is not None else None,
+            config_error=self._config_error,
+            faults=self._faults,
         )
 
-    def _memory_report(
-        self, current: Generation | None, cfg: ReplicaConfig | None
-    ) -> dict[str, int | None]:
+    def _latest_error(self, load_error: ErrorInfo | None) -> ErrorInfo | None:
+        """The newer of the last load failure and the current config's problem."""
+        config_error = self._config_error
+        newer = self._config_error_seq > self._load_error_seq
+        if config_error is not None and (load_error is None or newer):
+            return config_error
+        return load_error
+
+    def _memory_figures(self, model: Any, cfg: ReplicaConfig | None) -> MemoryFigures:
         """What the controller needs to tell whether a candidate fits beside the resident
-        model here (an in-place promotion): what this replica holds, what it could hold, and
-        what loading the model it serves took alone (its load's estimate, margin included)."""
-        model = current.model if current is not None else None
+        model here (an in-place promotion)."""
         resident = int(getattr(model, "param_bytes", 0)) if model is not None else 0
-        budget = cfg.memory.budget() if cfg is not None else MemoryBudget()
-        capacity = budget.capacity_bytes
+        capacity = cfg.memory.capacity_bytes if cfg is not None else None
         if capacity is None:
             capacity = device_capacity(self._device, resident)
         estimate = getattr(model, "memory", None)
-        return {
-            "resident_bytes": resident,
-            "capacity_bytes": capacity,
-            "load_peak_bytes": None if estimate is None else estimate.single_buffer_peak,
-        }
+        return MemoryFigures(
+            resident_bytes=resident,
+            capacity_bytes=capacity,
+            load_peak_bytes=None if estimate is None else estimate.single_buffer_peak,
+        )
 
     def _installed(self, candidate: Candidate) -> None:
         self._installed_at = time.time()
-        self._timings = dict(candidate.timings)
+        self._timings = candidate.timings
         self.runtime_build = candidate.model.runtime_build
-        for stage, seconds in candidate.timings.items():
+        for stage, seconds in candidate.timings.model_dump(exclude_none=True).items():
             self._observer.load_stage(stage, seconds, True)
 
     def _on_event(self, event: ReconcileEvent) -> None:
@@ -686,12 +549,6 @@ class RankerReplica:
     @property
     def phase(self) -> ReplicaPhase:
         return self._reconciler.snapshot().phase
-
-
-def _error_dict(err: ErrorInfo | None) -> dict[str, Any] | None:
-    if err is None:
-        return None
-    return err.model_dump(exclude={"field"} if err.field is None else None)
 
 
 class _Reporter:

@@ -20,14 +20,8 @@ from starlette.responses import Response
 
 from app import telemetry as t
 from app.api import RequestInvalid, parse_rank_body, to_wire
-from app.contracts import WireAnswer, WireRequest
-from app.replica import (
-    ControllerRef,
-    InjectedFault,
-    InstanceReport,
-    RankerReplica,
-    ReplicaConfig,
-)
+from app.contracts import ControllerRef, InstanceReport, ReplicaConfig, WireAnswer, WireRequest
+from app.replica import InjectedFault, RankerReplica
 
 log = logging.getLogger("ray.serve")
 
@@ -54,7 +48,7 @@ class ControllerSink:
             done, _ = ray.wait([self._last], timeout=0)
             if done:
                 ray.get(done[0])  # raises RayActorError for a dead controller
-        self._last = self._actor.report_instance.remote(report.model_dump())
+        self._last = self._actor.report_instance.remote(report.model_dump(mode="json"))
 
 
 class ServeMetricsObserver:
@@ -127,7 +121,7 @@ class Ranker:
         # its replacements): a bad config is refused and reported, the old one stays.
         if not self._core.has_config:
             # Startup: label the first load's metrics; an invalid first config raises here.
-            self._observer.set_cohort(ReplicaConfig.parse(user_config).cohort)
+            self._observer.set_cohort(ReplicaConfig.from_user_config(user_config).cohort)
         if self._core.reconfigure(user_config):
             config = self._core.config
             self._forward.set_max_batch_size(config.batching.max_batch_size)
@@ -159,7 +153,8 @@ class Ranker:
             raise self._core.injected_fault()
 
     async def status(self) -> dict[str, Any]:
-        return self._core.report().model_dump()
+        """The instance report, JSON-ready (the router's probes validate it again)."""
+        return self._core.report().model_dump(mode="json")
 
     async def __call__(self, request: Request) -> Response:
         """Direct HTTP ingress (benchmark baseline): same parsing as the router."""

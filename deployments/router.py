@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
@@ -42,6 +43,7 @@ from app.contracts import (
     CANARY,
     COHORTS,
     STABLE,
+    InstanceReport,
     RouterConfig,
     WireAnswer,
     WireRequest,
@@ -158,7 +160,8 @@ class Router:
         self._rank_handles = {c: h.options(method_name="rank") for c, h in self._handles.items()}
         self._config = RouterConfig()
         self._health = {c: CohortHealth() for c in COHORTS}
-        self._views: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {c: {} for c in COHORTS}
+        # Per cohort: replica id -> (when its probe answered, its report).
+        self._views: dict[str, dict[str, tuple[float, InstanceReport]]] = {c: {} for c in COHORTS}
         self._coalescers = {
             c: CohortCoalescer(
                 self._sender(c),
@@ -225,14 +228,17 @@ class Router:
         answered = False
         for _ in range(2):
             try:
-                report = await asyncio.wait_for(
-                    self._handles[cohort].status.remote(), timeout=timeout
-                )
+                raw = await asyncio.wait_for(self._handles[cohort].status.remote(), timeout=timeout)
             except Exception:
                 continue
+            try:
+                report = InstanceReport.model_validate(raw)
+            except ValidationError as exc:
+                log.warning("a %s replica's report is not an InstanceReport: %s", cohort, exc)
+                continue
             answered = True
-            self._views[cohort][report["replica_id"]] = (now, report)
-            serving = serving or report.get("actual_revision") is not None
+            self._views[cohort][report.replica_id] = (now, report)
+            serving = serving or report.serving
         self._health[cohort].record_probe(serving)
         if not answered:
             self._views[cohort].clear()
@@ -254,7 +260,7 @@ class Router:
         if request.method != "GET":
             return _json(405, {"error": "method_not_allowed", "detail": "use GET"})
         if path.endswith("/v1/status"):
-            return _json(200, self.status().model_dump())
+            return _json(200, self.status().model_dump(mode="json"))
         if path.endswith("/livez"):
             return _json(200, {"live": True})
         if path.endswith("/startupz"):
@@ -400,12 +406,12 @@ class Router:
                     ReplicaView(
                         replica=rid,
                         cohort=cohort,
-                        phase=rep.get("phase", "unknown"),
-                        desired_revision=rep.get("desired_revision"),
-                        desired_artifact=rep.get("desired_artifact"),
-                        actual_revision=rep.get("actual_revision"),
-                        actual_artifact=rep.get("actual_artifact"),
-                        last_error=rep.get("last_error"),
+                        phase=rep.phase,
+                        desired_revision=rep.desired_revision,
+                        desired_artifact=rep.desired_artifact,
+                        actual_revision=rep.actual_revision,
+                        actual_artifact=rep.actual_artifact,
+                        last_error=rep.last_error,
                         seen_s_ago=round(now - seen, 3),
                     )
                 )
