@@ -1,23 +1,28 @@
 """The ranker replica's logic; ``deployments/ranker.py`` is the thin Ray Serve shell around it.
 
-Lifecycle (DESIGN.md "Replica"):
+This module is the replica's config handling and request path; loading is
+``app.model_loading`` (driven by ``app.reconciler``), reports and metric hooks are
+``app.reporting``, test-only fault injection is ``app.faults``.
+
+Lifecycle:
 
 - ``reconfigure(user_config)`` validates the config. The replica's FIRST config is its startup:
   its target is loaded synchronously (a replica never becomes RUNNING without a verified
   model) and an invalid config or a failed load raises. Every later config returns at once
-  and never raises: Ray routes no traffic to a replica while its reconfigure runs, and a
-  raising reconfigure kills the replica and its replacements (RAY_FACTS.md). A later target
-  goes to the reconciler's background worker; a failed candidate never removes the serving
-  generation. A later invalid config is refused: the old one stays and the report's
-  ``last_error`` says why (category ``config``, naming the field). The same config again is a
-  no-op (Ray repeats reconfigure on rank changes).
+  and never raises: Ray routes no traffic to a replica while its reconfigure runs, and an
+  exception from reconfigure makes Ray replace the replica, whose replacement would get the
+  same config and fail the same way. A later target goes to the reconciler's background
+  worker; a failed candidate never removes the serving generation. A later invalid config is
+  refused: the old one stays and the report's ``last_error`` says why (category ``config``,
+  naming the field). The same config again is a no-op (Ray repeats reconfigure on rank
+  changes).
 - A target that becomes null retires the serving generation (requests in flight finish on
   it): the pool is idle, serves nothing, and the router does not fail over to it.
 - ``rank(batch)`` borrows the current generation for one forward; a request in flight
   finishes on the generation it borrowed while a new one is installed beside it.
-- Fault injection (``faults`` in the user_config; tests only) takes effect only in a process
-  whose environment has ``ROLLOUT_FAULT_INJECTION=allow``; elsewhere it is ignored and
-  reported as a ``config`` error.
+- Fault injection (``faults`` in the user_config; tests only) takes effect only where the
+  process environment allows it (``app.faults``); elsewhere it is ignored and reported as a
+  ``config`` error.
 - Reports go to the rollout controller's named actor when one is configured; with no
   controller the replica keeps serving and retries quietly.
 """
@@ -27,235 +32,51 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import random
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any
 
 import torch
 
-from app.cache import ArtifactCache, Lease
+from app.cache import ArtifactCache
 from app.contracts import (
     MAX_REPORTED_REVISIONS,
     Capacity,
     ControllerRef,
     ErrorInfo,
-    FaultInjection,
     InstanceReport,
     LoadTimings,
     MemoryFigures,
     ModelMeta,
     ReplicaConfig,
-    ReplicaPhase,
-    Target,
     WireAnswer,
     WireRequest,
 )
-from app.errors import ArtifactRejected, ConfigError
-from app.features import FEATURE_SCHEMA, RankRequest
-from app.generations import Generation, GenerationHolder, NotReady
-from app.load_pacing import LoadPacer
-from app.loader import LoadedModel, default_device, load_verified
+from app.errors import ConfigError
+from app.faults import (
+    FAULT_INJECTION_ALLOWED,
+    FAULT_INJECTION_ENV,
+    FaultInjector,
+    FaultPlan,
+    InjectedFault,
+    fault_injection_allowed,
+)
+from app.features import RankRequest
+from app.generations import GenerationHolder, NotReady
+from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
-from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, ReconcilerSnapshot
+from app.model_loading import Candidate, ModelLoader
+from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler
+from app.reporting import NullObserver, ReplicaObserver, Reporter, ReportSink
 
 log = logging.getLogger(__name__)
-
-# Fault injection is honoured only where the replica's process environment says so.
-FAULT_INJECTION_ENV: Final = "ROLLOUT_FAULT_INJECTION"
-FAULT_INJECTION_ALLOWED: Final = "allow"
-
-
-def fault_injection_allowed() -> bool:
-    return os.environ.get(FAULT_INJECTION_ENV) == FAULT_INJECTION_ALLOWED
-
-
-# --------------------------------------------------------------------------- reports
-
-
-class ReportSink(Protocol):
-    """Where reports go (the controller actor); ``send`` may raise when it is absent."""
-
-    def send(self, report: InstanceReport) -> None: ...
-
-
-class ReplicaObserver(Protocol):
-    """Metrics hooks; the Ray shell implements them with ``ray.serve.metrics``."""
-
-    def load_stage(self, stage: str, seconds: float, ok: bool) -> None: ...
-
-    def revisions(self, desired: int | None, actual: int | None) -> None: ...
-
-    def load_failure(self, category: str) -> None: ...
-
-    def batch_size(self, requests: int) -> None: ...
-
-
-class NullObserver:
-    def load_stage(self, stage: str, seconds: float, ok: bool) -> None:
-        pass
-
-    def revisions(self, desired: int | None, actual: int | None) -> None:
-        pass
-
-    def load_failure(self, category: str) -> None:
-        pass
-
-    def batch_size(self, requests: int) -> None:
-        pass
 
 
 class ReplicaNotReady(RuntimeError):
     """No verified model is installed (an idle pool, or still starting)."""
 
     category = "serving.not_ready"
-
-
-class InjectedFault(RuntimeError):
-    """A rank call failed on purpose (``faults.error_rate``; tests only)."""
-
-    category = "fault_injection"
-
-
-@dataclass(frozen=True)
-class FaultPlan:
-    """What fault injection does to one rank call: wait ``delay_s``, then fail or not."""
-
-    delay_s: float = 0.0
-    fail: bool = False
-
-
-NO_FAULT: Final = FaultPlan()
-
-
-# --------------------------------------------------------------------------- loading
-
-
-@dataclass
-class Candidate:
-    """A loaded, dry-run-validated model that is not serving yet."""
-
-    target: Target
-    model: LoadedModel
-    lease: Lease
-    timings: LoadTimings
-    handed_over: bool = False  # given to the generation holder, which owns its cleanup
-
-
-def _close_candidate(model: Any, lease: Lease | None) -> None:
-    try:
-        model.close()
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-class ModelLoader:
-    """The reconciler's load/install/discard steps for real artifacts and the holder."""
-
-    def __init__(
-        self,
-        *,
-        cache: Callable[[], ArtifactCache],
-        holder: GenerationHolder,
-        leases: dict[int, Lease],
-        budget: Callable[[], MemoryBudget],
-        device: torch.device,
-        on_installed: Callable[[Candidate], None],
-        cpu_share: Callable[[], float | None] = lambda: None,
-    ) -> None:
-        self._on_installed = on_installed
-        self._cpu_share = cpu_share  # None: an unpaced load
-        self._cache = cache
-        self._holder = holder
-        self._leases = leases
-        self._budget = budget
-        self._device = device
-
-    def load(self, target: Target) -> Candidate:
-        if target.feature_schema != FEATURE_SCHEMA:
-            raise ArtifactRejected(
-                "schema",
-                f"target feature_schema {target.feature_schema!r}; this service speaks "
-                f"{FEATURE_SCHEMA!r}",
-                artifact_id=target.artifact_id,
-            )
-        cache = self._cache()
-        share = self._cpu_share()
-        pacer = LoadPacer(share) if share is not None else None  # a share of 1 never pauses
-        lease = cache.lease(target.manifest_sha256)
-        try:
-            artifact = cache.fetch_verified(
-                target.manifest_uri, target.manifest_sha256, pacer=pacer
-            )
-            if artifact.manifest.artifact_id != target.artifact_id:
-                raise ArtifactRejected(
-                    "manifest_digest",
-                    f"manifest names artifact {artifact.manifest.artifact_id!r}, the target "
-                    f"says {target.artifact_id!r}",
-                    artifact_id=target.artifact_id,
-                )
-            if artifact.manifest.feature_schema != target.feature_schema:
-                raise ArtifactRejected(
-                    "schema",
-                    f"manifest feature_schema {artifact.manifest.feature_schema!r} differs "
-                    f"from the target's {target.feature_schema!r}",
-                    artifact_id=target.artifact_id,
-                )
-            current = self._holder.current
-            resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
-            model = load_verified(
-                artifact,
-                device=self._device,
-                budget=self._budget(),
-                resident_bytes=resident,
-                pacer=pacer,
-            )
-        except BaseException:
-            lease.release()
-            raise
-        timings = LoadTimings(
-            download=float(artifact.timings.get("fetch_s", 0.0)),
-            verify=float(
-                artifact.timings.get("verify_s", 0.0) + artifact.timings.get("publish_s", 0.0)
-            ),
-            load=float(model.timings.get("load", 0.0)),
-            dry_run=float(model.timings.get("dry_run", 0.0)),
-            paced=pacer.paused_s if pacer is not None else 0.0,
-        )
-        return Candidate(target, model, lease, timings)
-
-    def install(self, target: Target, loaded: Candidate) -> bool:
-        started = time.perf_counter()
-        self._holder.set_desired(target.revision, target.artifact_id)
-        generation = Generation(
-            revision=target.revision, artifact_id=target.artifact_id, model=loaded.model
-        )
-        # The lease is released by the holder's cleanup when this generation retires.
-        self._leases[id(loaded.model)] = loaded.lease
-        loaded.handed_over = True
-        if not self._holder.install(generation):
-            # The holder cleaned the refused generation up (model closed, lease released).
-            return False
-        loaded.timings = loaded.timings.model_copy(
-            update={"install": time.perf_counter() - started}
-        )
-        self._on_installed(loaded)
-        return True
-
-    def discard(self, loaded: Candidate) -> None:
-        if not loaded.handed_over:
-            _close_candidate(loaded.model, loaded.lease)
-
-    def retire(self) -> None:
-        # The holder's cleanup (model closed, lease released) runs when borrowers are done.
-        self._holder.retire_current()
-
-
-# --------------------------------------------------------------------------- the replica
 
 
 class RankerReplica:
@@ -269,18 +90,18 @@ class RankerReplica:
         loader_nice: int = 10,
     ) -> None:
         self.replica_id = replica_id
-        self._sink_factory = sink_factory
         self._observer: ReplicaObserver = observer or NullObserver()
         self._device = device or default_device()
         self._config: ReplicaConfig | None = None
         self._cache: ArtifactCache | None = None
         self._cache_key: tuple[str, int | None, str | None] | None = None
-        self._leases: dict[int, Lease] = {}
-        self._holder = GenerationHolder(cleanup=self._retire)
+        # The holder's cleanup is the loader's, which knows each generation's cache lease.
+        self._holder = GenerationHolder(
+            cleanup=lambda generation: self._loader.clean_up(generation)
+        )
         self._loader = ModelLoader(
             cache=self._get_cache,
             holder=self._holder,
-            leases=self._leases,
             budget=lambda: MemoryBudget.of(self.config.memory),
             device=self._device,
             on_installed=self._installed,
@@ -297,15 +118,14 @@ class RankerReplica:
         # False until the first config was applied: the startup load runs unpaced.
         self._background = False
         self._fatal: BaseException | None = None
-        self._reporter = _Reporter(self)
+        self._reporter = Reporter(replica_id, self.report, sink_factory)
         self.runtime_build: str | None = None
         # Which error is newer, a load failure or a config problem (for ``last_error``).
         self._error_seq = itertools.count(1)  # next() is atomic: event and config threads
         self._load_error_seq = 0
         self._config_error: ErrorInfo | None = None
         self._config_error_seq = 0
-        self._faults: FaultInjection | None = None  # effective (allowed) faults
-        self._fault_rng = random.Random()
+        self._faults = FaultInjector()  # the faults in effect: allowed ones only
 
     # ------------------------------------------------------------------ config
 
@@ -376,7 +196,7 @@ class RankerReplica:
             )
             self.runtime_build = None
         self._background = True
-        self._reporter.configure(new)
+        self._reporter.configure(new.controller, new.report_interval_s)
         self._reporter.poke()
         return True
 
@@ -385,7 +205,7 @@ class RankerReplica:
         ignored and reported. A valid config without ignored faults clears config errors."""
         faults = config.faults
         if faults is not None and not fault_injection_allowed():
-            self._faults = None
+            self._faults.set(None)
             log.warning(
                 "%s: user_config.faults ignored: %s=%s is not set in this process",
                 self.replica_id,
@@ -400,8 +220,7 @@ class RankerReplica:
             return
         if faults is not None:
             log.warning("%s: fault injection active: %s", self.replica_id, faults)
-        if faults != self._faults:
-            self._faults = faults
+        if self._faults.set(faults):
             self._reporter.poke()
         if self._config_error is not None:
             self._config_error = None
@@ -415,11 +234,7 @@ class RankerReplica:
     def plan_fault(self) -> FaultPlan:
         """Fault injection for one rank call (the shell sleeps and raises, without blocking
         other calls). NO_FAULT unless allowed faults are configured."""
-        faults = self._faults
-        if faults is None:
-            return NO_FAULT
-        fail = faults.error_rate > 0 and self._fault_rng.random() < faults.error_rate
-        return FaultPlan(delay_s=faults.extra_latency_ms / 1000.0, fail=fail)
+        return self._faults.plan()
 
     def injected_fault(self) -> InjectedFault:
         return InjectedFault(f"{self.replica_id}: injected rank failure (faults.error_rate)")
@@ -462,9 +277,6 @@ class RankerReplica:
 
     # ------------------------------------------------------------------ reports
 
-    def snapshot(self) -> ReconcilerSnapshot:
-        return self._reconciler.snapshot()
-
     def report(self) -> InstanceReport:
         snap = self._reconciler.snapshot()
         cfg = self._config
@@ -492,7 +304,7 @@ class RankerReplica:
             heartbeat=time.time(),
             seq=self._reporter.next_seq(),
             config_error=self._config_error,
-            faults=self._faults,
+            faults=self._faults.active,
         )
 
     def _latest_error(self, load_error: ErrorInfo | None) -> ErrorInfo | None:
@@ -537,92 +349,7 @@ class RankerReplica:
         )
         self._reporter.poke()
 
-    def _retire(self, generation: Generation) -> None:
-        model = generation.model
-        _close_candidate(model, self._leases.pop(id(model), None))
-
     def close(self) -> None:
         self._reporter.close()
         self._reconciler.close()
         self._holder.close()
-
-    @property
-    def phase(self) -> ReplicaPhase:
-        return self._reconciler.snapshot().phase
-
-
-class _Reporter:
-    """Pushes reports on change and every ``report_interval_s`` from its own thread.
-
-    An absent controller (no actor yet, or it died) costs one failed lookup per interval and
-    a debug log line; serving is never affected.
-    """
-
-    def __init__(self, replica: RankerReplica) -> None:
-        self._replica = replica
-        self._cond = threading.Condition()
-        self._dirty = False
-        self._closed = False
-        self._interval = 10.0
-        self._controller: ControllerRef | None = None
-        self._sink: ReportSink | None = None
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self.sent = 0
-        self.failed = 0
-
-    def next_seq(self) -> int:
-        with self._cond:
-            self._seq += 1
-            return self._seq
-
-    def configure(self, cfg: ReplicaConfig) -> None:
-        with self._cond:
-            if cfg.controller != self._controller:
-                self._sink = None
-            self._controller = cfg.controller
-            self._interval = cfg.report_interval_s
-            wanted = self._controller is not None and self._replica._sink_factory is not None
-            if wanted and self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"reporter-{self._replica.replica_id}", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
-
-    def poke(self) -> None:
-        with self._cond:
-            self._dirty = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._dirty and not self._closed:
-                    self._cond.wait(timeout=self._interval)
-                if self._closed:
-                    return
-                self._dirty = False
-                controller = self._controller
-            if controller is None:
-                continue
-            self._send_once(controller)
-
-    def _send_once(self, controller: ControllerRef) -> None:
-        factory = self._replica._sink_factory
-        if factory is None:
-            return
-        try:
-            if self._sink is None:
-                self._sink = factory(controller)
-            self._sink.send(self._replica.report())
-            self.sent += 1
-        except Exception as exc:
-            self._sink = None
-            self.failed += 1
-            log.debug("report to controller %s failed (will retry): %s", controller.name, exc)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()

@@ -21,7 +21,8 @@ from starlette.responses import Response
 from app import telemetry as t
 from app.api import RequestInvalid, parse_rank_body, to_wire
 from app.contracts import ControllerRef, InstanceReport, ReplicaConfig, WireAnswer, WireRequest
-from app.replica import InjectedFault, RankerReplica
+from app.faults import InjectedFault
+from app.replica import RankerReplica
 
 log = logging.getLogger("ray.serve")
 
