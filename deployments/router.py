@@ -1,15 +1,15 @@
 """The HTTP ingress: splits traffic between the stable and canary cohorts.
 
 A raw Starlette request handler, not FastAPI: the hop through this deployment is the cost to
-keep small (RAY_FACTS.md: a naive hop costs ~2/3 of throughput on 2 cores), and FastAPI's
-routing + response-model machinery is pure overhead for five fixed paths. Validation happens
+keep small (every request pays for it, on cores the replicas need), and FastAPI's routing +
+response-model machinery is pure overhead for five fixed paths. Validation happens
 once, here (app.api), and the replicas receive compact, validated ``WireRequest``s.
 
-The other half of the cost is the handle call per request. ``CohortCoalescer`` keeps at most
-``coalesce_calls_per_replica`` handle calls in flight per replica of a cohort; requests that
-arrive meanwhile ride together in the next call. Idle: a request goes out alone at once (no
-added latency). Busy: one handle call carries many requests, and the replica's @serve.batch
-merges calls further.
+The other half of the cost is the handle call per request. A ``CohortCoalescer``
+(``app.coalescing``) per cohort keeps at most ``coalesce_calls_per_replica`` handle calls in
+flight per replica of the cohort; requests that arrive meanwhile ride together in the next
+call. Idle: a request goes out alone at once (no added latency). Busy: one handle call
+carries many requests, and the replica's @serve.batch merges calls further.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from app.api import (
     parse_rank_body,
     to_wire,
 )
+from app.coalescing import CohortCoalescer
 from app.contracts import (
     BASIS_POINTS,
     CANARY,
@@ -63,56 +64,6 @@ COHORT_HEADER = "x-ranker-cohort"
 JSON = "application/json"
 # A replica's probe answer is kept this many probe intervals before it is dropped from status.
 REPLICA_VIEW_TTL_INTERVALS = 30
-
-
-class CohortCoalescer:
-    """Coalesces concurrent requests for one cohort into few handle calls."""
-
-    def __init__(
-        self,
-        send: Callable[[list[WireRequest]], Awaitable[WireAnswer]],
-        *,
-        max_calls: int,
-        max_batch: int,
-    ) -> None:
-        self._send = send
-        self.max_calls = max_calls
-        self.max_batch = max_batch
-        self._pending: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]] = []
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def submit(self, request: WireRequest) -> tuple[Any, Any]:
-        """(ModelMeta, ranking) for one request; raises what the handle call raised."""
-        future: asyncio.Future[tuple[Any, Any]] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._in_flight < self.max_calls:
-            self._launch()
-        return await future
-
-    def _launch(self) -> None:
-        batch = self._pending[: self.max_batch]
-        del self._pending[: self.max_batch]
-        self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, batch: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]]):
-        try:
-            answer = await self._send([request for request, _ in batch])
-        except BaseException as exc:  # handed to every waiter
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-        else:
-            for (_, future), ranking in zip(batch, answer.rankings, strict=True):
-                if not future.done():
-                    future.set_result((answer.model, ranking))
-        finally:
-            self._in_flight -= 1
-            if self._pending and self._in_flight < self.max_calls:
-                self._launch()
 
 
 class RouterMetrics:
