@@ -62,7 +62,6 @@ from app.faults import (
     InjectedFault,
     fault_injection_allowed,
 )
-from app.features import RankRequest
 from app.generations import GenerationHolder, NotReady
 from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
@@ -247,17 +246,8 @@ class RankerReplica:
         try:
             with self._holder.borrow() as gen:
                 model: LoadedModel = gen.model
-                requests = [
-                    RankRequest(
-                        candidate_ids=w.candidate_ids,
-                        features=w.features,  # type: ignore[arg-type]  # ndarray rows
-                        context=w.context,
-                        top_n=w.top_n,
-                    )
-                    for w in batch
-                ]
                 try:
-                    results = model.rank_batch(requests)
+                    results = model.rank_batch(batch)
                 except RuntimeError as exc:
                     if "CUDA" in str(exc) or "cuda" in str(exc):
                         self._fatal = exc  # unrecoverable device fault: check_health fails
