@@ -60,6 +60,7 @@ def _lower(value: str) -> str:
 MAX_TEXT: Final = 4000  # characters of a message or reason
 MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
 MAX_REPORTED_REVISIONS: Final = 1000  # discarded revisions in one instance report
+MAX_BATCH_SIZE: Final = 1024  # handle calls a replica's @serve.batch may merge into one forward
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
@@ -194,7 +195,7 @@ class PublishedTarget(Target):
 
 
 class BatchingConfig(Contract):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 32
     batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.002
 
 
@@ -409,7 +410,7 @@ class MemoryFigures(Contract):
 
 
 class Capacity(Contract):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] | None = None
     device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
     memory: MemoryFigures = MemoryFigures()
 

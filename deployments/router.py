@@ -20,7 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 from ray import serve
@@ -44,6 +44,7 @@ from app.contracts import (
     CANARY,
     COHORTS,
     STABLE,
+    AppArgs,
     InstanceReport,
     RouterConfig,
     WireAnswer,
@@ -62,6 +63,9 @@ log = logging.getLogger("ray.serve")
 
 COHORT_HEADER = "x-ranker-cohort"
 JSON = "application/json"
+# Requests one router replica accepts at once, for a Router bound without options:
+# deployments.app always passes AppArgs.router_max_ongoing_requests, whose default this is.
+DEFAULT_MAX_ONGOING_REQUESTS: Final = AppArgs().router_max_ongoing_requests
 # A replica's probe answer is kept this many probe intervals before it is dropped from status.
 REPLICA_VIEW_TTL_INTERVALS = 30
 
@@ -104,7 +108,7 @@ def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> R
     return Response(json.dumps(payload), status_code=status, media_type=JSON, headers=headers)
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
 class Router:
     def __init__(self, stable: DeploymentHandle, canary: DeploymentHandle) -> None:
         self._handles = {STABLE: stable, CANARY: canary}
