@@ -238,16 +238,6 @@ class Normalization:
         as32 = lambda xs: np.asarray(xs, dtype=np.float32)  # noqa: E731
         return cls(as32(mean), as32(std), as32(fill), clip)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "feature_schema": FEATURE_SCHEMA,
-            "clip": self.clip,
-            "features": {
-                name: {"mean": float(m), "std": float(s), "fill": float(f)}
-                for name, m, s, f in zip(FEATURE_NAMES, self.mean, self.std, self.fill, strict=True)
-            },
-        }
-
 
 @dataclass(frozen=True, eq=False)
 class LabelMapping:

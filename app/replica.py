@@ -118,7 +118,6 @@ class RankerReplica:
         self._background = False
         self._fatal: BaseException | None = None
         self._reporter = Reporter(replica_id, self.report, sink_factory)
-        self.runtime_build: str | None = None
         # Which error is newer, a load failure or a config problem (for ``last_error``).
         self._error_seq = itertools.count(1)  # next() is atomic: event and config threads
         self._load_error_seq = 0
@@ -193,7 +192,6 @@ class RankerReplica:
                 "%s: target removed from user_config; the serving generation is retired",
                 self.replica_id,
             )
-            self.runtime_build = None
         self._background = True
         self._reporter.configure(new.controller, new.report_interval_s)
         self._reporter.poke()
@@ -322,7 +320,6 @@ class RankerReplica:
     def _installed(self, candidate: Candidate) -> None:
         self._installed_at = time.time()
         self._timings = candidate.timings
-        self.runtime_build = candidate.model.runtime_build
         for stage, seconds in candidate.timings.model_dump(exclude_none=True).items():
             self._observer.load_stage(stage, seconds, True)
 
