@@ -1,4 +1,4 @@
-"""Memory budget for loading a candidate next to the serving model (DESIGN.md "Memory budget").
+"""Memory budget for loading a candidate next to the serving model.
 
     peak = resident + candidate weights + load temporaries + warm-up workspace + margin
 

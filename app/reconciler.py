@@ -1,7 +1,7 @@
 """Desired/actual reconciliation of a replica's model target.
 
 The replica tells the reconciler what it should serve (``submit``); one background worker
-makes it so. Rules (DESIGN.md "Replica"):
+makes it so. Rules:
 
 - single flight: one load at a time, on one worker thread;
 - latest target wins: a newer target replaces pending work; a load that finishes after its
@@ -132,9 +132,8 @@ def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
     """Make the calling thread yield the CPU to everything else; says what it did.
 
     ``idle``: Linux's SCHED_IDLE where allowed (it always is for lowering): any normal thread
-    that wakes preempts it at once. bench/bench_router.py, pooled p99 while a canary loaded a
-    34 MB candidate beside the serving replicas vs around it: 1.7x and 2.1x with it, 2.9x with
-    niceness 19 (2-core machine, noisy).
+    that wakes preempts it at once, where even niceness 19 still gets a share of a busy core
+    that request threads wait behind.
 
     Otherwise niceness, relative to the thread's own: Ray starts workers at 15, and an absolute
     value below that would *raise* the thread's priority wherever that is allowed (as root).
@@ -346,11 +345,10 @@ class Reconciler(Generic[M]):
         everything else on the host goes first. A model served here: niceness, because the
         load and the request threads share this process's GIL, and a SCHED_IDLE loader
         preempted while it holds the GIL stalls the requests waiting for it until a core is
-        idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion). Measured
-        with bench/bench_router.py, stable replicas swapping in place (2-core machine, paced
-        loads): one A/B pair gave a median latency in the windows of 46.5 ms at SCHED_IDLE and
-        35.7 ms niced; two more pairs stayed within the noise (25-34 ms either way). Pacing
-        keeps the GIL bursts short, so the gain is small here; the hazard is not.
+        idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion), whereas
+        a niced loader still gets its small share of a busy core and so lets go of the GIL
+        soon. Pacing (``app.load_pacing``) keeps the loader's GIL bursts short, which makes
+        the stall rare; the hazard stays, so a serving replica does not take it.
         """
         if self._worker_nice <= 0:
             self._attempt(target, attempt)

@@ -5,8 +5,8 @@ One place for the strings that three parties must agree on: the router and the r
 reader (which finds them in Ray's Prometheus text or through PromQL). No Ray import here.
 
 On export Ray prefixes every name with ``ray_``, adds the ``application``, ``deployment`` and
-``replica`` tags, and suffixes counters with ``_total`` (RAY_FACTS.md "Metrics");
-``exported_name`` gives the name a reader looks for.
+``replica`` tags, and suffixes counters with ``_total`` (Ray's Prometheus exporter does this,
+not us); ``exported_name`` gives the name a reader looks for.
 """
 
 from __future__ import annotations

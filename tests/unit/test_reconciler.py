@@ -154,8 +154,8 @@ def test_unchanged_late_and_conflicting_targets(events: list[ReconcileEvent]) ->
 def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
     events: list[ReconcileEvent],
 ) -> None:
-    # Regression guard for DESIGN.md "desired re-checked before install": a rollback issued
-    # while a slow candidate downloads must win, and the candidate must never serve.
+    # Regression guard for "desired is re-checked before install": a rollback issued while a
+    # slow candidate downloads must win, and the candidate must never serve.
     loader = GatedLoader()
     slow = loader.gate("slow")
     rec = make(loader, events)
