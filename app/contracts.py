@@ -357,33 +357,8 @@ class ErrorInfo(Contract):
     revision: Revision | None = None
     field: Annotated[str, StringConstraints(max_length=MAX_FIELD_PATH)] | None = None
 
-    @classmethod
-    def clipped(
-        cls,
-        category: str,
-        message: str,
-        *,
-        artifact_id: str | None = None,
-        revision: int | None = None,
-        field: str | None = None,
-    ) -> ErrorInfo:
-        """One whose message and field may come from text of any length (an exception's
-        message, a field path a config chose): cut to the bounds, so that reporting a failure
-        cannot fail itself."""
-        return cls(
-            category=category,
-            message=_clip(message, MAX_TEXT),
-            artifact_id=artifact_id,
-            revision=revision,
-            field=None if field is None else _clip(field, MAX_FIELD_PATH),
-        )
-
     def describe(self) -> str:
         return f"{self.category}: {self.message}"
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LoadTimings(Contract):

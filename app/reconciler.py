@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
-from app.contracts import ErrorInfo, ReplicaPhase, RetryConfig, Target
+from app.contracts import MAX_FIELD_PATH, MAX_TEXT, ErrorInfo, ReplicaPhase, RetryConfig, Target
 from app.errors import ArtifactRejected
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,36 @@ def error_info(exc: BaseException, target: Target | None) -> ErrorInfo:
     """What a failed load reports: the rejection's category (else the exception's type) and
     its message, with the target it was about."""
     category = exc.category if isinstance(exc, ArtifactRejected) else type(exc).__name__
-    return ErrorInfo.clipped(
+    return clipped_error(
         category,
         str(exc),
         artifact_id=target.artifact_id if target else None,
         revision=target.revision if target else None,
     )
+
+
+def clipped_error(
+    category: str,
+    message: str,
+    *,
+    artifact_id: str | None = None,
+    revision: int | None = None,
+    field: str | None = None,
+) -> ErrorInfo:
+    """An ErrorInfo whose message and field may come from text of any length (an exception's
+    message, a field path a config chose), cut to the report's bounds: a state-dict mismatch
+    lists every key, and reporting a failure must not fail itself."""
+    return ErrorInfo(
+        category=category,
+        message=_clip(message, MAX_TEXT),
+        artifact_id=artifact_id,
+        revision=revision,
+        field=None if field is None else _clip(field, MAX_FIELD_PATH),
+    )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_retryable(exc: BaseException) -> bool:

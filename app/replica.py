@@ -66,7 +66,7 @@ from app.generations import GenerationHolder, NotReady
 from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
 from app.model_loading import Candidate, ModelLoader
-from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler
+from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, clipped_error
 from app.reporting import NullObserver, ReplicaObserver, Reporter, ReportSink
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class RankerReplica:
             self._reporter.poke()
 
     def _set_config_error(self, message: str, *, field: str) -> None:
-        self._config_error = ErrorInfo.clipped("config", message, field=field)
+        self._config_error = clipped_error("config", message, field=field)
         self._config_error_seq = next(self._error_seq)
         self._reporter.poke()
 

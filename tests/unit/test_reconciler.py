@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.contracts import ReplicaPhase, Target
+from app.contracts import MAX_TEXT, ReplicaPhase, Target
 from app.errors import ArtifactRejected
 from app.polling import wait_until
 from app.reconciler import (
@@ -204,6 +204,22 @@ def test_a_final_failure_keeps_the_serving_target(events: list[ReconcileEvent]) 
     assert len([t for t in loader.started if t.artifact_id == "bad"]) == 1  # not retried
     failed = [e for e in events if e.kind == "failed"]
     assert failed and failed[-1].error and failed[-1].error.artifact_id == "bad"
+    rec.close()
+
+
+def test_a_failure_with_a_huge_message_is_reported_cut_to_the_bounds() -> None:
+    # e.g. a state-dict mismatch of a big architecture names every key it misses
+    huge = ArtifactRejected("load", "missing keys " + "blocks.0.weight, " * 2000)
+    loader = GatedLoader(failures={"bad": [huge]})
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "bad"))
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.phase is ReplicaPhase.FAILED and snap.last_error is not None
+    assert snap.last_error.category == "load" and snap.last_error.revision == 2
+    assert len(snap.last_error.message) == MAX_TEXT
+    assert snap.last_error.message.startswith("load: missing keys blocks.0.weight, ")
     rec.close()
 
 
