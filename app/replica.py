@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ from app.cache import ArtifactCache
 from app.contracts import (
     MAX_REPORTED_REVISIONS,
     Capacity,
-    ControllerRef,
     ErrorInfo,
     InstanceReport,
     LoadTimings,
@@ -67,7 +66,7 @@ from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
 from app.model_loading import Candidate, ModelLoader
 from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, clipped_error
-from app.reporting import NullObserver, ReplicaObserver, Reporter, ReportSink
+from app.reporting import NullObserver, ReplicaObserver, Reporter, SinkFactory
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class RankerReplica:
         self,
         replica_id: str,
         *,
-        sink_factory: Callable[[ControllerRef], ReportSink] | None = None,
+        sink_factory: SinkFactory | None = None,
         observer: ReplicaObserver | None = None,
         device: torch.device | None = None,
         loader_nice: int = 10,
