@@ -10,9 +10,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Final
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from app.contracts import WireRequest
+from app.contracts import ErrorInfo, ReplicaPhase, WireRequest
 from app.features import (
     CONTEXT_FIELDS,
     MAX_CANDIDATE_ID_CHARS,
@@ -121,13 +129,20 @@ def to_wire(body: RankBody) -> WireRequest:
 class ReplicaView(BaseModel):
     replica: str
     cohort: str
-    phase: str
+    phase: ReplicaPhase
     desired_revision: int | None
     desired_artifact: str | None
     actual_revision: int | None
     actual_artifact: str | None
-    last_error: dict[str, Any] | None = None
+    last_error: ErrorInfo | None = None
     seen_s_ago: float
+
+    @field_serializer("last_error")
+    def _error_json(self, error: ErrorInfo | None) -> dict[str, Any] | None:
+        # ``field`` appears only where there is one (a config error), as it always has.
+        if error is None:
+            return None
+        return error.model_dump(mode="json", exclude={"field"} if error.field is None else None)
 
 
 class CohortView(BaseModel):

@@ -57,8 +57,13 @@ def _lower(value: str) -> str:
     return value.lower()
 
 
+MAX_TEXT: Final = 4000  # characters of a message or reason
+MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
+MAX_REPORTED_REVISIONS: Final = 1000  # discarded revisions in one instance report
+MAX_BATCH_SIZE: Final = 1024  # handle calls a replica's @serve.batch may merge into one forward
+
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-Text = Annotated[str, StringConstraints(max_length=4000)]
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 PathText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 Uri = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)]
@@ -190,7 +195,7 @@ class PublishedTarget(Target):
 
 
 class BatchingConfig(Contract):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] = 32
     batch_wait_timeout_s: Annotated[float, Field(ge=0, le=1)] = 0.002
 
 
@@ -350,7 +355,7 @@ class ErrorInfo(Contract):
     message: Text
     artifact_id: Name | None = None
     revision: Revision | None = None
-    field: Annotated[str, StringConstraints(max_length=400)] | None = None
+    field: Annotated[str, StringConstraints(max_length=MAX_FIELD_PATH)] | None = None
 
     def describe(self) -> str:
         return f"{self.category}: {self.message}"
@@ -380,7 +385,7 @@ class MemoryFigures(Contract):
 
 
 class Capacity(Contract):
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)] | None = None
     device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
     memory: MemoryFigures = MemoryFigures()
 
@@ -399,7 +404,10 @@ class InstanceReport(Contract):
     runtime_build: Annotated[str, StringConstraints(max_length=200)] | None = None
     # The latest of the last load failure and the last refused (or partly ignored) config.
     last_error: ErrorInfo | None = None
-    discarded_revisions: Annotated[tuple[Revision, ...], Field(max_length=1000)] = ()
+    # The latest revisions loaded but never installed (superseded or refused).
+    discarded_revisions: Annotated[
+        tuple[Revision, ...], Field(max_length=MAX_REPORTED_REVISIONS)
+    ] = ()
     timings: LoadTimings = LoadTimings()
     # Wall clock at which the generation now serving was installed: "serving since", and
     # where a load ends when latency traces are lined up with it.

@@ -1,10 +1,12 @@
 """The ``ranker-features-v3`` input contract: feature names, request context, normalization,
 score-band labels, and the pre- and post-processing around the ranker's forward pass.
 
-Pure module (numpy only). A request carries candidates, each with 80 numeric features (``None``
-marks a missing one), plus a small typed request context. Everything an artifact contributes
-to pre/post-processing (per-feature mean/std/fill, score bands) is parsed and checked here, so
-that a generation carries the exact preprocessing its weights were trained with.
+Pure module (numpy only). A request carries candidates, each with 80 numeric features, plus a
+small typed request context; it is validated once, at the HTTP edge (``app.api``), and reaches
+the model as an ``app.contracts.WireRequest``: the candidates' features as one float32 matrix,
+NaN where a feature is missing. Everything an artifact contributes to pre/post-processing
+(per-feature mean/std/fill, score bands) is parsed and checked here, so that a generation
+carries the exact preprocessing its weights were trained with.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from app.errors import ArtifactRejected
+
+if TYPE_CHECKING:  # app.contracts imports this module (FEATURE_SCHEMA)
+    from app.contracts import WireRequest
 
 FEATURE_SCHEMA: Final = "ranker-features-v3"
 NORMALIZATION_FILE: Final = "normalization.json"
@@ -123,27 +128,12 @@ CONTEXT_FIELDS: Final[Mapping[str, ContextField]] = {
     )
 }
 CONTEXT_ORDER: Final[tuple[str, ...]] = tuple(CONTEXT_FIELDS)
-CONTEXT_CARDINALITIES: Final[tuple[int, ...]] = tuple(
-    len(f.values) for f in CONTEXT_FIELDS.values()
-)
 _CONTEXT_INDEX: Final[dict[str, dict[str | int, int]]] = {
     f.name: {v: i for i, v in enumerate(f.values)} for f in CONTEXT_FIELDS.values()
 }
 _DEFAULT_CONTEXT_INDEX: Final = tuple(
     _CONTEXT_INDEX[f.name][f.default] for f in CONTEXT_FIELDS.values()
 )
-
-
-@dataclass(frozen=True)
-class RankRequest:
-    """``features`` is one row of NUM_FEATURES per candidate; ``encode_batch`` also takes a
-    float array [candidates, 80] with NaN for missing (what a decoded wire payload is), while
-    ``validate_request`` checks the tuple form a client sends."""
-
-    candidate_ids: tuple[str, ...]
-    features: tuple[tuple[float | None, ...], ...]  # None = missing feature
-    context: Mapping[str, str | int | float] = field(default_factory=dict)
-    top_n: int = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,52 +160,6 @@ def _context_value(name: str, value: Any) -> str | int:
     if value not in _CONTEXT_INDEX[name]:
         raise ValueError(f"context.{name}: {value!r} is not one of {list(spec.values)}")
     return value
-
-
-def validate_request(req: RankRequest) -> None:
-    """Check a request against the schema; ValueError names the offending field."""
-    ids = req.candidate_ids
-    if not isinstance(ids, tuple | list) or len(ids) == 0:
-        raise ValueError("candidate_ids: must be a non-empty list")
-    if len(ids) > MAX_CANDIDATES:
-        raise ValueError(f"candidate_ids: {len(ids)} candidates (max {MAX_CANDIDATES})")
-    for i, cid in enumerate(ids):
-        if not isinstance(cid, str) or not cid or len(cid) > MAX_CANDIDATE_ID_CHARS:
-            raise ValueError(
-                f"candidate_ids[{i}]: must be a non-empty string of at most "
-                f"{MAX_CANDIDATE_ID_CHARS} characters"
-            )
-    if len(set(ids)) != len(ids):
-        raise ValueError("candidate_ids: duplicate ids")
-    feats = req.features
-    if not isinstance(feats, tuple | list) or len(feats) != len(ids):
-        got = len(feats) if isinstance(feats, tuple | list) else type(feats).__name__
-        raise ValueError(f"features: expected {len(ids)} rows (one per candidate), got {got}")
-    for i, row in enumerate(feats):
-        if not isinstance(row, tuple | list) or len(row) != NUM_FEATURES:
-            got = len(row) if isinstance(row, tuple | list) else type(row).__name__
-            raise ValueError(f"features[{i}]: expected {NUM_FEATURES} values, got {got}")
-    try:
-        # None becomes NaN here, so NaN in the array is either missing or a NaN sent by the
-        # client; counting Nones tells the two apart without a Python loop over values.
-        arr = np.asarray(feats, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"features: values must be numbers or null ({exc})") from None
-    nan = np.isnan(arr)
-    n_none = sum(row.count(None) for row in feats)
-    if int(nan.sum()) != n_none or np.isinf(arr).any():
-        for i, row in enumerate(feats):
-            for j, v in enumerate(row):
-                if v is not None and not math.isfinite(float(v)):
-                    raise ValueError(
-                        f"features[{i}][{j}]: {v!r} is not finite ({FEATURE_NAMES[j]})"
-                    )
-    if not isinstance(req.context, Mapping):
-        raise ValueError("context: must be a mapping")
-    for name, value in req.context.items():
-        _context_value(name, value)
-    if isinstance(req.top_n, bool) or not isinstance(req.top_n, int) or req.top_n < 1:
-        raise ValueError(f"top_n: must be a positive integer, got {req.top_n!r}")
 
 
 def encode_context(context: Mapping[str, str | int | float]) -> tuple[int, ...]:
@@ -294,16 +238,6 @@ class Normalization:
         as32 = lambda xs: np.asarray(xs, dtype=np.float32)  # noqa: E731
         return cls(as32(mean), as32(std), as32(fill), clip)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "feature_schema": FEATURE_SCHEMA,
-            "clip": self.clip,
-            "features": {
-                name: {"mean": float(m), "std": float(s), "fill": float(f)}
-                for name, m, s, f in zip(FEATURE_NAMES, self.mean, self.std, self.fill, strict=True)
-            },
-        }
-
 
 @dataclass(frozen=True, eq=False)
 class LabelMapping:
@@ -356,14 +290,15 @@ class EncodedBatch:
     offsets: np.ndarray  # int64 [requests + 1]; request i owns rows offsets[i]:offsets[i+1]
 
 
-def encode_batch(requests: Sequence[RankRequest], norm: Normalization) -> EncodedBatch:
-    """Missing -> fill (raw units) -> (x - mean) / std -> clip. Requests must be validated."""
+def encode_batch(requests: Sequence[WireRequest], norm: Normalization) -> EncodedBatch:
+    """Missing (NaN) -> fill (raw units) -> (x - mean) / std -> clip. Requests must be
+    validated."""
     counts = np.fromiter((len(r.candidate_ids) for r in requests), np.int64, len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     raw = np.empty((int(offsets[-1]), NUM_FEATURES), dtype=np.float32)
     for i, req in enumerate(requests):
-        raw[offsets[i] : offsets[i + 1]] = req.features  # None -> NaN
+        raw[offsets[i] : offsets[i + 1]] = req.features
     missing = np.isnan(raw)
     if missing.any():
         raw = np.where(missing, norm.fill, raw)
@@ -375,7 +310,7 @@ def encode_batch(requests: Sequence[RankRequest], norm: Normalization) -> Encode
 
 
 def rank_from_logits(
-    requests: Sequence[RankRequest],
+    requests: Sequence[WireRequest],
     logits: np.ndarray,
     offsets: np.ndarray,
     labels: LabelMapping,

@@ -52,7 +52,6 @@ class Generation:
     revision: int
     artifact_id: str
     model: Any
-    info: dict[str, Any] = field(default_factory=dict)  # e.g. manifest digest, timings
     refs: int = field(default=0, init=False)
     retired: bool = field(default=False, init=False)
     cleanup_queued: bool = field(default=False, init=False)
@@ -115,12 +114,6 @@ class GenerationHolder:
     def current(self) -> Generation | None:
         with self._lock:
             return self._current
-
-    @property
-    def outstanding(self) -> int:
-        """Generations retired or rejected whose cleanup has not finished."""
-        with self._lock:
-            return self._outstanding
 
     @property
     def cleanup_failures(self) -> list[CleanupFailure]:

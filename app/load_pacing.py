@@ -2,12 +2,11 @@
 replicas beside it serve.
 
 A low scheduling priority (``lower_thread_priority``) is not enough on a host whose cores the
-serving processes share: measured on a 2-core machine at half its serving capacity (one run,
-a few hundred requests per kind), a SCHED_IDLE thread hashing 34 MB flat out raised the median
-latency of the requests around it by ~40% and their p99 by ~1.7x, while the same hashing
-paced to a 25% share, or a busy loop in 5 ms bursts at 25%, left both where they were without
-it (``bench/bench_router.py`` measures the real load).
-The load takes longer; what it protects is every request served meanwhile.
+serving processes share: a lowered thread still takes every moment a core is free, and the
+requests served beside a load that hashes flat out, even at SCHED_IDLE, get slower; the same
+work paced to a share of a core, in short bursts, leaves them as they were
+(``bench/bench_router.py`` measures this on the real load). The load takes longer; what it
+protects is every request served meanwhile.
 
 The loading code calls ``checkpoint()`` between units of work (a chunk read and hashed, a
 dry-run forward). Each thread is accounted for by its own CPU time (``time.thread_time``), so

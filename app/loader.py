@@ -25,6 +25,7 @@ import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from app.contracts import WireRequest
 from app.errors import ArtifactRejected
 from app.features import (
     CONTEXT_FIELDS,
@@ -35,7 +36,6 @@ from app.features import (
     LabelMapping,
     Normalization,
     RankedCandidate,
-    RankRequest,
     encode_batch,
     rank_from_logits,
 )
@@ -219,7 +219,7 @@ class LoadedModel:
         self.timings: dict[str, float] = {}
         self._model: RankerMLP | None = model
 
-    def _logits(self, requests: Sequence[RankRequest]) -> tuple[torch.Tensor, np.ndarray]:
+    def _logits(self, requests: Sequence[WireRequest]) -> tuple[torch.Tensor, np.ndarray]:
         model = self._model
         if model is None:
             raise RuntimeError(f"model {self.artifact_id} is closed")
@@ -229,7 +229,7 @@ class LoadedModel:
             ctx = torch.from_numpy(enc.context).to(self.device, non_blocking=True)
             return model(x, ctx), enc.offsets
 
-    def rank_batch(self, requests: Sequence[RankRequest]) -> list[list[RankedCandidate]]:
+    def rank_batch(self, requests: Sequence[WireRequest]) -> list[list[RankedCandidate]]:
         """One forward for all candidates of all (already validated) requests."""
         if not requests:
             return []
@@ -303,7 +303,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
 
 
-def _check_ranking(req: RankRequest, answer: list[RankedCandidate], labels: LabelMapping) -> None:
+def _check_ranking(req: WireRequest, answer: list[RankedCandidate], labels: LabelMapping) -> None:
     expected_len = min(req.top_n, len(req.candidate_ids))
     if len(answer) != expected_len:
         raise ArtifactRejected(
@@ -321,38 +321,33 @@ def _check_ranking(req: RankRequest, answer: list[RankedCandidate], labels: Labe
         raise ArtifactRejected("dry_run", "a result carries an unknown label")
 
 
-def representative_batches(norm: Normalization, seed: int = 20261008) -> list[list[RankRequest]]:
-    """Service-owned warm-up requests: several batch sizes, dense / sparse / all-missing /
-    extreme features, top-N below, at and above the candidate count, every context value."""
+def representative_batches(norm: Normalization, seed: int = 20261008) -> list[list[WireRequest]]:
+    """Service-owned warm-up requests, of the type the router sends: several batch sizes,
+    dense / sparse / all-missing / extreme features, top-N below, at and above the candidate
+    count, every context value."""
     rng = np.random.default_rng(seed)
 
-    def rows(
-        n: int, missing: float = 0.0, scale: float = 1.0
-    ) -> tuple[tuple[float | None, ...], ...]:
+    def rows(n: int, missing: float = 0.0, scale: float = 1.0) -> np.ndarray:
         raw = norm.mean + norm.std * scale * rng.standard_normal((n, NUM_FEATURES))
         drop = rng.random((n, NUM_FEATURES)) < missing
-        return tuple(
-            tuple(None if d else float(v) for v, d in zip(r, dr, strict=True))
-            for r, dr in zip(raw, drop, strict=True)
-        )
+        return np.where(drop, np.nan, raw).astype(np.float32)  # NaN = missing
 
     def request(
-        tag: str,
-        feats: tuple[tuple[float | None, ...], ...],
-        top_n: int,
-        ctx: dict[str, str | int] | None = None,
-    ) -> RankRequest:
+        tag: str, feats: np.ndarray, top_n: int, ctx: dict[str, str | int] | None = None
+    ) -> WireRequest:
         ids = tuple(f"{tag}-{i}" for i in range(len(feats)))
-        return RankRequest(ids, feats, dict(ctx or {}), top_n)
+        return WireRequest(ids, feats, dict(ctx or {}), top_n)
 
-    all_missing = tuple((None,) * NUM_FEATURES for _ in range(3))
+    all_missing = np.full((3, NUM_FEATURES), np.nan, dtype=np.float32)
     single = [request("single", rows(1), 1)]
     mixed = [
         request("one", rows(1), 5, {"surface": "search"}),
         request("sparse", rows(7, missing=0.7), 3, {"hour_of_day": 23, "device_class": "tablet"}),
         request("extreme", rows(33, scale=1e6), 33, {"locale_bucket": "ja"}),
         request("dense", rows(64), 100),
-        request("empty", all_missing + rows(2, missing=0.95), 4, {"surface": "email"}),
+        request(
+            "empty", np.concatenate([all_missing, rows(2, missing=0.95)]), 4, {"surface": "email"}
+        ),
     ]
     widest = max(len(f.values) for f in CONTEXT_FIELDS.values())
     every_context = [

@@ -1,4 +1,4 @@
-"""Memory budget for loading a candidate next to the serving model (DESIGN.md "Memory budget").
+"""Memory budget for loading a candidate next to the serving model.
 
     peak = resident + candidate weights + load temporaries + warm-up workspace + margin
 
@@ -17,6 +17,7 @@ from typing import Final
 
 import torch
 
+from app.contracts import MemoryConfig
 from app.errors import ArtifactRejected
 
 MiB: Final = 1 << 20
@@ -31,6 +32,14 @@ class MemoryBudget:
     capacity_bytes: int | None = None
     margin_bytes: int = 256 * MiB
     margin_fraction: float = 0.05
+
+    @classmethod
+    def of(cls, config: MemoryConfig) -> MemoryBudget:
+        return cls(
+            capacity_bytes=config.capacity_bytes,
+            margin_bytes=config.margin_bytes,
+            margin_fraction=config.margin_fraction,
+        )
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:

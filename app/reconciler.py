@@ -1,7 +1,7 @@
 """Desired/actual reconciliation of a replica's model target.
 
 The replica tells the reconciler what it should serve (``submit``); one background worker
-makes it so. Rules (DESIGN.md "Replica"):
+makes it so. Rules:
 
 - single flight: one load at a time, on one worker thread;
 - latest target wins: a newer target replaces pending work; a load that finishes after its
@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
+from app.contracts import MAX_FIELD_PATH, MAX_TEXT, ErrorInfo, ReplicaPhase, RetryConfig, Target
 from app.errors import ArtifactRejected
 
 log = logging.getLogger(__name__)
@@ -44,24 +45,6 @@ M = TypeVar("M")
 RETRYABLE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
 
 
-@dataclass(frozen=True)
-class Target:
-    """What a replica should serve. ``revision`` increases with every change of a cohort's
-    target (the registry's compare-and-set), so it orders targets."""
-
-    revision: int
-    artifact_id: str
-    manifest_uri: str
-    manifest_sha256: str
-    feature_schema: str
-
-    def same_artifact(self, other: Target) -> bool:
-        return (
-            self.artifact_id == other.artifact_id
-            and self.manifest_sha256.lower() == other.manifest_sha256.lower()
-        )
-
-
 class Decision(StrEnum):
     ACCEPTED = "accepted"  # new desired target; the worker will load it
     UNCHANGED = "unchanged"  # equal to the desired target
@@ -69,31 +52,40 @@ class Decision(StrEnum):
     CONFLICT = "conflict"  # same revision, different artifact: refused
 
 
-class Phase(StrEnum):
-    IDLE = "idle"  # no target at all (an idle pool, or the target was cleared)
-    LOADING = "loading"
-    BACKOFF = "backoff"  # waiting to retry after a transient failure
-    READY = "ready"  # actual == desired
-    FAILED = "failed"  # gave up on the desired target; the previous generation serves
+def error_info(exc: BaseException, target: Target | None) -> ErrorInfo:
+    """What a failed load reports: the rejection's category (else the exception's type) and
+    its message, with the target it was about."""
+    category = exc.category if isinstance(exc, ArtifactRejected) else type(exc).__name__
+    return clipped_error(
+        category,
+        str(exc),
+        artifact_id=target.artifact_id if target else None,
+        revision=target.revision if target else None,
+    )
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
-    category: str
-    message: str
-    artifact_id: str | None = None
-    revision: int | None = None
-    field: str | None = None  # config errors: the user_config field at fault
+def clipped_error(
+    category: str,
+    message: str,
+    *,
+    artifact_id: str | None = None,
+    revision: int | None = None,
+    field: str | None = None,
+) -> ErrorInfo:
+    """An ErrorInfo whose message and field may come from text of any length (an exception's
+    message, a field path a config chose), cut to the report's bounds: a state-dict mismatch
+    lists every key, and reporting a failure must not fail itself."""
+    return ErrorInfo(
+        category=category,
+        message=_clip(message, MAX_TEXT),
+        artifact_id=artifact_id,
+        revision=revision,
+        field=None if field is None else _clip(field, MAX_FIELD_PATH),
+    )
 
-    @classmethod
-    def of(cls, exc: BaseException, target: Target | None) -> ErrorInfo:
-        category = exc.category if isinstance(exc, ArtifactRejected) else type(exc).__name__
-        return cls(
-            category=category,
-            message=str(exc),
-            artifact_id=target.artifact_id if target else None,
-            revision=target.revision if target else None,
-        )
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -112,6 +104,10 @@ class BackoffPolicy:
     multiplier: float = 2.0
     cap_s: float = 30.0
     max_attempts: int = 6  # including the first
+
+    @classmethod
+    def of(cls, config: RetryConfig) -> BackoffPolicy:
+        return cls(initial_s=config.initial_s, cap_s=config.cap_s, max_attempts=config.max_attempts)
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Delay after the ``attempt``-th failure (1-based)."""
@@ -148,13 +144,11 @@ class ReconcileEvent:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ReconcilerSnapshot:
     desired: Target | None
     actual: Target | None
-    phase: Phase
+    phase: ReplicaPhase
     last_error: ErrorInfo | None
-    attempts: int
-    installs: int
     discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
 
 
@@ -162,9 +156,8 @@ def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
     """Make the calling thread yield the CPU to everything else; says what it did.
 
     ``idle``: Linux's SCHED_IDLE where allowed (it always is for lowering): any normal thread
-    that wakes preempts it at once. bench/bench_router.py, pooled p99 while a canary loaded a
-    34 MB candidate beside the serving replicas vs around it: 1.7x and 2.1x with it, 2.9x with
-    niceness 19 (2-core machine, noisy).
+    that wakes preempts it at once, where even niceness 19 still gets a share of a busy core
+    that request threads wait behind.
 
     Otherwise niceness, relative to the thread's own: Ray starts workers at 15, and an absolute
     value below that would *raise* the thread's priority wherever that is allowed (as root).
@@ -208,10 +201,9 @@ class Reconciler(Generic[M]):
         self._desired: Target | None = None
         self._actual: Target | None = None
         self._cleared: Target | None = None  # the desired target when it was last cleared
-        self._phase = Phase.IDLE
+        self._phase = ReplicaPhase.IDLE
         self._last_error: ErrorInfo | None = None
         self._attempts = 0
-        self._installs = 0
         self._discarded: list[int] = []
         self._work = False  # the desired target still needs loading
         self._retry_at = 0.0
@@ -261,10 +253,10 @@ class Reconciler(Generic[M]):
                 self._retry_at = 0.0
                 if self._actual is not None and self._actual == target:
                     self._work = False
-                    self._phase = Phase.READY
+                    self._phase = ReplicaPhase.READY
                 else:
                     self._work = True
-                    self._phase = Phase.LOADING
+                    self._phase = ReplicaPhase.LOADING
                     self._ensure_worker()
                 self._cond.notify_all()
         self._emit(ReconcileEvent(decision.value, target))
@@ -289,7 +281,7 @@ class Reconciler(Generic[M]):
             self._work = False
             self._attempts = 0
             self._retry_at = 0.0
-            self._phase = Phase.IDLE
+            self._phase = ReplicaPhase.IDLE
             if self._actual is not None:
                 # Under the lock, like install: a finishing load cannot slip in between.
                 self._loader.retire()
@@ -312,7 +304,7 @@ class Reconciler(Generic[M]):
                 raise ValueError(f"startup target {target} is {decision.value}")
             self._desired = target
             self._work = False
-            self._phase = Phase.LOADING
+            self._phase = ReplicaPhase.LOADING
             self._busy = True
         try:
             attempt = 0
@@ -347,7 +339,7 @@ class Reconciler(Generic[M]):
                     if wait <= 0:
                         self._busy = True
                         self._attempts += 1
-                        self._phase = Phase.LOADING
+                        self._phase = ReplicaPhase.LOADING
                         return self._desired, self._attempts
                     self._cond.wait(timeout=wait)
                 else:
@@ -377,11 +369,10 @@ class Reconciler(Generic[M]):
         everything else on the host goes first. A model served here: niceness, because the
         load and the request threads share this process's GIL, and a SCHED_IDLE loader
         preempted while it holds the GIL stalls the requests waiting for it until a core is
-        idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion). Measured
-        with bench/bench_router.py, stable replicas swapping in place (2-core machine, paced
-        loads): one A/B pair gave a median latency in the windows of 46.5 ms at SCHED_IDLE and
-        35.7 ms niced; two more pairs stayed within the noise (25-34 ms either way). Pacing
-        keeps the GIL bursts short, so the gain is small here; the hazard is not.
+        idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion), whereas
+        a niced loader still gets its small share of a busy core and so lets go of the GIL
+        soon. Pacing (``app.load_pacing``) keeps the loader's GIL bursts short, which makes
+        the stall rare; the hazard stays, so a serving replica does not take it.
         """
         if self._worker_nice <= 0:
             self._attempt(target, attempt)
@@ -414,22 +405,21 @@ class Reconciler(Generic[M]):
             installed = current and self._loader.install(target, loaded)
             if installed:
                 self._actual = target
-                self._installs += 1
                 self._last_error = None
                 if self._desired == target:
                     self._work = False
-                    self._phase = Phase.READY
+                    self._phase = ReplicaPhase.READY
             else:
                 self._discarded.append(target.revision)
                 if current:
                     # The generation holder refused it (it knows a newer generation): final.
                     self._work = False
-                    self._phase = Phase.FAILED
+                    self._phase = ReplicaPhase.FAILED
                     self._last_error = ErrorInfo(
-                        "stale",
-                        "the serving generation refused the install",
-                        target.artifact_id,
-                        target.revision,
+                        category="stale",
+                        message="the serving generation refused the install",
+                        artifact_id=target.artifact_id,
+                        revision=target.revision,
                     )
         if installed:
             self._emit(
@@ -443,7 +433,7 @@ class Reconciler(Generic[M]):
         self._emit(ReconcileEvent("discarded", target, attempt=attempt))
 
     def _failed(self, target: Target, attempt: int, exc: Exception) -> None:
-        error = ErrorInfo.of(exc, target)
+        error = error_info(exc, target)
         with self._cond:
             if self._desired != target:
                 # A newer target arrived during the failed load; its own attempt follows.
@@ -452,14 +442,14 @@ class Reconciler(Generic[M]):
             elif is_retryable(exc) and attempt < self._policy.max_attempts:
                 delay = self._policy.delay(attempt, self._rng)
                 self._retry_at = self._clock() + delay
-                self._phase = Phase.BACKOFF
+                self._phase = ReplicaPhase.BACKOFF
                 self._last_error = error
                 event = ReconcileEvent(
                     "retry_scheduled", target, error=error, attempt=attempt, retry_in_s=delay
                 )
             else:
                 self._work = False
-                self._phase = Phase.FAILED
+                self._phase = ReplicaPhase.FAILED
                 self._last_error = error
                 event = ReconcileEvent("failed", target, error=error, attempt=attempt)
         log.warning("%s: target %s failed (attempt %d): %s", self._name, target, attempt, error)
@@ -473,15 +463,13 @@ class Reconciler(Generic[M]):
 
     # ------------------------------------------------------------------ observation
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> ReconcilerSnapshot:
         with self._cond:
-            return Snapshot(
+            return ReconcilerSnapshot(
                 desired=self._desired,
                 actual=self._actual,
                 phase=self._phase,
                 last_error=self._last_error,
-                attempts=self._attempts,
-                installs=self._installs,
                 discarded=tuple(self._discarded),
             )
 
@@ -504,9 +492,3 @@ class Reconciler(Generic[M]):
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout)
-
-
-def describe(target: Target | None) -> dict[str, Any] | None:
-    if target is None:
-        return None
-    return {"revision": target.revision, "artifact_id": target.artifact_id}

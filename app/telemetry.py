@@ -5,8 +5,8 @@ One place for the strings that three parties must agree on: the router and the r
 reader (which finds them in Ray's Prometheus text or through PromQL). No Ray import here.
 
 On export Ray prefixes every name with ``ray_``, adds the ``application``, ``deployment`` and
-``replica`` tags, and suffixes counters with ``_total`` (RAY_FACTS.md "Metrics");
-``exported_name`` gives the name a reader looks for.
+``replica`` tags, and suffixes counters with ``_total`` (Ray's Prometheus exporter does this,
+not us); ``exported_name`` gives the name a reader looks for.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from typing import Final
 
 # --- label keys -------------------------------------------------------------------------
 COHORT: Final = "cohort"  # "stable" | "canary"; on router metrics, the cohort that answered
-OUTCOME: Final = "outcome"  # see OUTCOMES
-REASON: Final = "reason"  # rejections: see REJECTION_REASONS
+OUTCOME: Final = "outcome"  # "ok" | "error" | "diverted", see below
+REASON: Final = "reason"  # rejections: "invalid_request" | "draining" | "overloaded" |
+#                           "unavailable"; load failures: the rejection's category
 FROM_COHORT: Final = "from_cohort"  # failovers: the cohort that could not answer
-STAGE: Final = "stage"  # load stages: see LOAD_STAGES
+STAGE: Final = "stage"  # "download" | "verify" | "load" | "dry_run" | "paced" | "install" |
+#                         "total" (app.contracts.LoadTimings' fields, and the whole load)
 RESULT: Final = "result"  # load stage result: "ok" | "error"
 
 # --- router -----------------------------------------------------------------------------
@@ -30,11 +32,9 @@ ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge
 ROUTER_CANARY_WEIGHT_BP: Final = "ranker_router_canary_weight_bp"  # gauge
 ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coalesced calls
 
-# "error": the cohort could not answer (before failover); "diverted": the weights chose the
-# cohort but the router sent the request elsewhere at once (breaker open, nothing serving),
-# counted without a latency so the judge sees the cohort failing rather than idle.
-OUTCOMES: Final = ("ok", "error", "diverted")
-REJECTION_REASONS: Final = ("invalid_request", "draining", "overloaded", "unavailable")
+# Outcomes: "error": the cohort could not answer (before failover); "diverted": the weights
+# chose the cohort but the router sent the request elsewhere at once (breaker open, nothing
+# serving), counted without a latency so the judge sees the cohort failing rather than idle.
 
 # Bucket bounds (ms) for latency: fine below 100 ms where the SLO lives, coarse above.
 LATENCY_BOUNDARIES_MS: Final = (
@@ -51,7 +51,6 @@ REPLICA_ACTUAL_REVISION: Final = "ranker_replica_actual_revision"  # gauge {coho
 REPLICA_LOAD_FAILURES: Final = "ranker_replica_load_failures"  # counter {cohort, reason}
 REPLICA_BATCH_SIZE: Final = "ranker_replica_batch_size"  # histogram {cohort}: requests/forward
 
-LOAD_STAGES: Final = ("download", "verify", "load", "dry_run", "install", "total")
 LOAD_STAGE_BOUNDARIES_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90, 180, 600)
 
 

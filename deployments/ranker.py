@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Final
 
 import torch
 from ray import serve
@@ -20,19 +20,28 @@ from starlette.responses import Response
 
 from app import telemetry as t
 from app.api import RequestInvalid, parse_rank_body, to_wire
-from app.contracts import WireAnswer, WireRequest
-from app.replica import (
+from app.contracts import (
+    BatchingConfig,
+    CohortArgs,
     ControllerRef,
-    InjectedFault,
     InstanceReport,
-    RankerReplica,
     ReplicaConfig,
+    WireAnswer,
+    WireRequest,
 )
+from app.faults import InjectedFault
+from app.replica import RankerReplica
 
 log = logging.getLogger("ray.serve")
 
-# Upper bound of the configurable batch size; @serve.batch's live value comes from user_config.
-MAX_BATCH_SIZE = 1024
+# Handle calls one replica accepts at once, for a Ranker bound without options:
+# deployments.app always passes CohortArgs.max_ongoing_requests, whose default this is. It is
+# not tied to the batch size: every call from the router already carries a coalesced batch of
+# requests, and @serve.batch merges at most batching.max_batch_size calls into one forward.
+DEFAULT_MAX_ONGOING_REQUESTS: Final = CohortArgs().max_ongoing_requests
+# @serve.batch starts from BatchingConfig's defaults; the live values come from user_config
+# (reconfigure), within BatchingConfig's bounds.
+_BATCHING: Final = BatchingConfig()
 
 
 class ControllerSink:
@@ -54,7 +63,7 @@ class ControllerSink:
             done, _ = ray.wait([self._last], timeout=0)
             if done:
                 ray.get(done[0])  # raises RayActorError for a dead controller
-        self._last = self._actor.report_instance.remote(report.model_dump())
+        self._last = self._actor.report_instance.remote(report.model_dump(mode="json"))
 
 
 class ServeMetricsObserver:
@@ -109,7 +118,7 @@ class ServeMetricsObserver:
         self._batch.observe(requests, tags={t.COHORT: self._cohort})
 
 
-@serve.deployment(max_ongoing_requests=MAX_BATCH_SIZE)
+@serve.deployment(max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
 class Ranker:
     def __init__(self) -> None:
         # Two cores are shared by the proxy, the router and every replica: one intra-op
@@ -127,13 +136,16 @@ class Ranker:
         # its replacements): a bad config is refused and reported, the old one stays.
         if not self._core.has_config:
             # Startup: label the first load's metrics; an invalid first config raises here.
-            self._observer.set_cohort(ReplicaConfig.parse(user_config).cohort)
+            self._observer.set_cohort(ReplicaConfig.from_user_config(user_config).cohort)
         if self._core.reconfigure(user_config):
             config = self._core.config
             self._forward.set_max_batch_size(config.batching.max_batch_size)
             self._forward.set_batch_wait_timeout_s(config.batching.batch_wait_timeout_s)
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    @serve.batch(
+        max_batch_size=_BATCHING.max_batch_size,
+        batch_wait_timeout_s=_BATCHING.batch_wait_timeout_s,
+    )
     async def _forward(self, calls: list[list[WireRequest]]) -> list[WireAnswer]:
         """Concurrent handle calls (each already a batch from the router) share a forward."""
         flat = [request for call in calls for request in call]
@@ -159,7 +171,8 @@ class Ranker:
             raise self._core.injected_fault()
 
     async def status(self) -> dict[str, Any]:
-        return self._core.report().model_dump()
+        """The instance report, JSON-ready (the router's probes validate it again)."""
+        return self._core.report().model_dump(mode="json")
 
     async def __call__(self, request: Request) -> Response:
         """Direct HTTP ingress (benchmark baseline): same parsing as the router."""

@@ -1,15 +1,15 @@
 """The HTTP ingress: splits traffic between the stable and canary cohorts.
 
 A raw Starlette request handler, not FastAPI: the hop through this deployment is the cost to
-keep small (RAY_FACTS.md: a naive hop costs ~2/3 of throughput on 2 cores), and FastAPI's
-routing + response-model machinery is pure overhead for five fixed paths. Validation happens
+keep small (every request pays for it, on cores the replicas need), and FastAPI's routing +
+response-model machinery is pure overhead for five fixed paths. Validation happens
 once, here (app.api), and the replicas receive compact, validated ``WireRequest``s.
 
-The other half of the cost is the handle call per request. ``CohortCoalescer`` keeps at most
-``coalesce_calls_per_replica`` handle calls in flight per replica of a cohort; requests that
-arrive meanwhile ride together in the next call. Idle: a request goes out alone at once (no
-added latency). Busy: one handle call carries many requests, and the replica's @serve.batch
-merges calls further.
+The other half of the cost is the handle call per request. A ``CohortCoalescer``
+(``app.coalescing``) per cohort keeps at most ``coalesce_calls_per_replica`` handle calls in
+flight per replica of the cohort; requests that arrive meanwhile ride together in the next
+call. Idle: a request goes out alone at once (no added latency). Busy: one handle call
+carries many requests, and the replica's @serve.batch merges calls further.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
+from pydantic import ValidationError
 from ray import serve
 from ray.serve import metrics
 from ray.serve.handle import DeploymentHandle
@@ -37,11 +38,14 @@ from app.api import (
     parse_rank_body,
     to_wire,
 )
+from app.coalescing import CohortCoalescer
 from app.contracts import (
     BASIS_POINTS,
     CANARY,
     COHORTS,
     STABLE,
+    AppArgs,
+    InstanceReport,
     RouterConfig,
     WireAnswer,
     WireRequest,
@@ -59,58 +63,11 @@ log = logging.getLogger("ray.serve")
 
 COHORT_HEADER = "x-ranker-cohort"
 JSON = "application/json"
+# Requests one router replica accepts at once, for a Router bound without options:
+# deployments.app always passes AppArgs.router_max_ongoing_requests, whose default this is.
+DEFAULT_MAX_ONGOING_REQUESTS: Final = AppArgs().router_max_ongoing_requests
 # A replica's probe answer is kept this many probe intervals before it is dropped from status.
 REPLICA_VIEW_TTL_INTERVALS = 30
-
-
-class CohortCoalescer:
-    """Coalesces concurrent requests for one cohort into few handle calls."""
-
-    def __init__(
-        self,
-        send: Callable[[list[WireRequest]], Awaitable[WireAnswer]],
-        *,
-        max_calls: int,
-        max_batch: int,
-    ) -> None:
-        self._send = send
-        self.max_calls = max_calls
-        self.max_batch = max_batch
-        self._pending: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]] = []
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def submit(self, request: WireRequest) -> tuple[Any, Any]:
-        """(ModelMeta, ranking) for one request; raises what the handle call raised."""
-        future: asyncio.Future[tuple[Any, Any]] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._in_flight < self.max_calls:
-            self._launch()
-        return await future
-
-    def _launch(self) -> None:
-        batch = self._pending[: self.max_batch]
-        del self._pending[: self.max_batch]
-        self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, batch: list[tuple[WireRequest, asyncio.Future[tuple[Any, Any]]]]):
-        try:
-            answer = await self._send([request for request, _ in batch])
-        except BaseException as exc:  # handed to every waiter
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-        else:
-            for (_, future), ranking in zip(batch, answer.rankings, strict=True):
-                if not future.done():
-                    future.set_result((answer.model, ranking))
-        finally:
-            self._in_flight -= 1
-            if self._pending and self._in_flight < self.max_calls:
-                self._launch()
 
 
 class RouterMetrics:
@@ -151,14 +108,15 @@ def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> R
     return Response(json.dumps(payload), status_code=status, media_type=JSON, headers=headers)
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
 class Router:
     def __init__(self, stable: DeploymentHandle, canary: DeploymentHandle) -> None:
         self._handles = {STABLE: stable, CANARY: canary}
         self._rank_handles = {c: h.options(method_name="rank") for c, h in self._handles.items()}
         self._config = RouterConfig()
         self._health = {c: CohortHealth() for c in COHORTS}
-        self._views: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {c: {} for c in COHORTS}
+        # Per cohort: replica id -> (when its probe answered, its report).
+        self._views: dict[str, dict[str, tuple[float, InstanceReport]]] = {c: {} for c in COHORTS}
         self._coalescers = {
             c: CohortCoalescer(
                 self._sender(c),
@@ -225,14 +183,17 @@ class Router:
         answered = False
         for _ in range(2):
             try:
-                report = await asyncio.wait_for(
-                    self._handles[cohort].status.remote(), timeout=timeout
-                )
+                raw = await asyncio.wait_for(self._handles[cohort].status.remote(), timeout=timeout)
             except Exception:
                 continue
+            try:
+                report = InstanceReport.model_validate(raw)
+            except ValidationError as exc:
+                log.warning("a %s replica's report is not an InstanceReport: %s", cohort, exc)
+                continue
             answered = True
-            self._views[cohort][report["replica_id"]] = (now, report)
-            serving = serving or report.get("actual_revision") is not None
+            self._views[cohort][report.replica_id] = (now, report)
+            serving = serving or report.serving
         self._health[cohort].record_probe(serving)
         if not answered:
             self._views[cohort].clear()
@@ -254,7 +215,7 @@ class Router:
         if request.method != "GET":
             return _json(405, {"error": "method_not_allowed", "detail": "use GET"})
         if path.endswith("/v1/status"):
-            return _json(200, self.status().model_dump())
+            return _json(200, self.status().model_dump(mode="json"))
         if path.endswith("/livez"):
             return _json(200, {"live": True})
         if path.endswith("/startupz"):
@@ -400,12 +361,12 @@ class Router:
                     ReplicaView(
                         replica=rid,
                         cohort=cohort,
-                        phase=rep.get("phase", "unknown"),
-                        desired_revision=rep.get("desired_revision"),
-                        desired_artifact=rep.get("desired_artifact"),
-                        actual_revision=rep.get("actual_revision"),
-                        actual_artifact=rep.get("actual_artifact"),
-                        last_error=rep.get("last_error"),
+                        phase=rep.phase,
+                        desired_revision=rep.desired_revision,
+                        desired_artifact=rep.desired_artifact,
+                        actual_revision=rep.actual_revision,
+                        actual_artifact=rep.actual_artifact,
+                        last_error=rep.last_error,
                         seen_s_ago=round(now - seen, 3),
                     )
                 )

@@ -53,11 +53,11 @@ import ray
 
 from app.client import RetryPolicy
 from app.demo_artifacts import make_demo_artifacts
+from app.faults import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
 from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
 from app.registry import Registry, open_registry
-from app.replica import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
 from rollout.controller import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,

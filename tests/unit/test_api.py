@@ -17,7 +17,7 @@ from app.api import (
     to_wire,
 )
 from app.contracts import RouterConfig
-from app.features import MAX_CANDIDATES, NUM_FEATURES
+from app.features import MAX_CANDIDATES, NUM_FEATURES, encode_context
 
 
 def body(**overrides: Any) -> dict[str, Any]:
@@ -86,6 +86,57 @@ def test_mistakes_name_the_field(doc: dict[str, Any], field: str, words: str) ->
     err = invalid(doc)
     assert err.field == field, err
     assert words in err.detail, err.detail
+
+
+def test_a_missing_feature_an_integral_float_hour_and_a_large_top_n_are_valid() -> None:
+    doc = body(context={"hour_of_day": 13.0, "surface": "cart"}, top_n=50)
+    doc["candidates"][0]["features"] = [None] * NUM_FEATURES
+    wire = to_wire(parse_rank_body(json.dumps(doc).encode()))
+    assert np.isnan(wire.features[0]).all() and wire.top_n == 50
+    assert encode_context(wire.context) == encode_context({"hour_of_day": 13, "surface": "cart"})
+
+
+@pytest.mark.parametrize(
+    ("context", "field", "words"),
+    [
+        ({"hour_of_day": 24}, "context.hour_of_day", "not one of"),
+        ({"hour_of_day": 1.5}, "context.hour_of_day", "expected an integer"),
+        ({"locale_bucket": 3}, "context.locale_bucket", "expected a string"),
+    ],
+)
+def test_context_values_of_the_wrong_kind_or_range_name_the_field(
+    context: dict[str, Any], field: str, words: str
+) -> None:
+    err = invalid(body(context=context))
+    assert (err.field, words in err.detail) == (field, True), err
+
+
+def test_a_feature_that_is_not_a_number_names_its_position() -> None:
+    features: list[Any] = [1.0] * NUM_FEATURES
+    features[3] = "x"
+    err = invalid(body(candidates=[{"id": "a", "features": features}]))
+    assert err.field == "candidates[0].features[3]", err
+
+
+def _with_special(position: tuple[int, int], literal: str) -> bytes:
+    """A body whose feature at ``position`` is the JSON extension ``literal`` (NaN, ...),
+    after a candidate whose features are all missing."""
+    candidates: list[dict[str, Any]] = [{"id": "m", "features": [None] * NUM_FEATURES}]
+    candidates += [{"id": f"c{i}", "features": [1.0] * NUM_FEATURES} for i in range(2)]
+    candidates[position[0]]["features"][position[1]] = "SPECIAL"
+    return json.dumps(body(candidates=candidates)).replace('"SPECIAL"', literal).encode()
+
+
+@pytest.mark.parametrize(
+    ("position", "literal"),
+    [((1, 10), "NaN"), ((2, 79), "Infinity"), ((2, 0), "-Infinity")],
+)
+def test_nan_and_infinity_are_told_apart_from_missing_and_named_exactly(
+    position: tuple[int, int], literal: str
+) -> None:
+    err = invalid(_with_special(position, literal))
+    assert err.field == f"candidates[{position[0]}].features[{position[1]}]", err
+    assert "finite" in err.detail
 
 
 def test_nan_and_infinity_are_refused_with_their_position() -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from app.cache import ArtifactCache
+from app.contracts import WireRequest
 from app.demo_artifacts import make_demo_artifacts, write_ranker_source
 from app.errors import ConfigError
-from app.features import FEATURE_SCHEMA, NUM_FEATURES, RankRequest
+from app.features import FEATURE_SCHEMA, NUM_FEATURES
 from app.loader import load_verified
 from app.manifest import MANIFEST_NAME, parse_manifest
 from tests.artifacts import TINY_PARAMS
@@ -74,9 +76,9 @@ def test_demo_artifacts_are_deterministic_distinct_and_load(tmp_path: Path):
     assert v42.metadata["offline_evaluation"]["ndcg_at_10"] > 0
 
     cache = ArtifactCache(tmp_path / "cache")
-    request = RankRequest(
+    request = WireRequest(
         tuple(f"c{i}" for i in range(5)),
-        tuple(tuple(float((i * 7 + j) % 11) for j in range(NUM_FEATURES)) for i in range(5)),
+        np.array([[(i * 7 + j) % 11 for j in range(NUM_FEATURES)] for i in range(5)], np.float32),
         {"surface": "search"},
         5,
     )

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from app.contracts import WireRequest
 from app.errors import ArtifactRejected
-from app.features import CONTEXT_FIELDS, NUM_FEATURES, LabelMapping, RankedCandidate, RankRequest
+from app.features import CONTEXT_FIELDS, NUM_FEATURES, LabelMapping, RankedCandidate
 from app.loader import (
     WEIGHTS_FILES,
     LoadedModel,
@@ -49,13 +50,18 @@ from tests.artifacts import (
 CPU = torch.device("cpu")
 
 
-def _requests() -> list[RankRequest]:
+def _wire(ids, rows, context, top_n) -> WireRequest:
+    """A request as the router hands it on: None in ``rows`` is a missing feature (NaN)."""
+    return WireRequest(tuple(ids), np.asarray(rows, dtype=np.float32), context, top_n)
+
+
+def _requests() -> list[WireRequest]:
     row = tuple(float(i % 7) for i in range(NUM_FEATURES))
     sparse = tuple(None if i % 3 else 2.0 for i in range(NUM_FEATURES))
     return [
-        RankRequest(("a", "b", "c"), (row, sparse, (None,) * NUM_FEATURES), {}, 2),
-        RankRequest(("x",), (row,), {"surface": "search", "hour_of_day": 3}, 5),
-        RankRequest(
+        _wire(("a", "b", "c"), (row, sparse, (None,) * NUM_FEATURES), {}, 2),
+        _wire(("x",), (row,), {"surface": "search", "hour_of_day": 3}, 5),
+        _wire(
             tuple(f"m{i}" for i in range(20)), (row,) * 10 + (sparse,) * 10, {"surface": "cart"}, 4
         ),
     ]
@@ -251,8 +257,9 @@ def test_representative_requests_cover_the_contract(tmp_path: Path):
     reqs = [r for b in batches for r in b]
     assert any(r.top_n < len(r.candidate_ids) for r in reqs)
     assert any(r.top_n > len(r.candidate_ids) for r in reqs)
-    assert any(all(v is None for v in row) for r in reqs for row in r.features)
-    assert any(0 < sum(v is None for v in row) < NUM_FEATURES for r in reqs for row in r.features)
+    assert all(r.features.dtype == np.float32 for r in reqs)  # what the router sends
+    assert any(np.isnan(row).all() for r in reqs for row in r.features)
+    assert any(0 < np.isnan(row).sum() < NUM_FEATURES for r in reqs for row in r.features)
     assert any(not r.context for r in reqs)
     for name, field in CONTEXT_FIELDS.items():
         assert {r.context.get(name) for r in reqs} >= set(field.values), name
@@ -264,7 +271,7 @@ def test_representative_requests_cover_the_contract(tmp_path: Path):
 
 
 LABELS = LabelMapping(("low", "high"), np.array([0.0, 0.5]))
-REQ = RankRequest(("a", "b", "c"), ((1.0,) * NUM_FEATURES,) * 3, {}, 2)
+REQ = _wire(("a", "b", "c"), ((1.0,) * NUM_FEATURES,) * 3, {}, 2)
 
 
 @pytest.mark.parametrize(

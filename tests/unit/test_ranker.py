@@ -1,15 +1,17 @@
-"""The ranker-features-v3 contract (validation, pre/post-processing, artifact files) and the
-service-owned ranker-mlp architecture."""
+"""The ranker-features-v3 contract (pre/post-processing, artifact files) and the service-owned
+ranker-mlp architecture. Request validation is the HTTP edge's: tests/unit/test_api.py."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
 import torch
 
+from app.contracts import WireRequest
 from app.demo_artifacts import label_mapping_doc, normalization_doc
 from app.errors import ArtifactRejected
 from app.features import (
@@ -21,11 +23,9 @@ from app.features import (
     LabelMapping,
     Normalization,
     RankedCandidate,
-    RankRequest,
     encode_batch,
     encode_context,
     rank_from_logits,
-    validate_request,
 )
 from app.manifest import Architecture
 from app.ranker import KNOWN_ARCHITECTURES, RANKER_MLP, RankerMLP, build_ranker, ranker_params
@@ -35,13 +35,14 @@ def _row(value: float | None = 1.0) -> tuple[float | None, ...]:
     return (value,) * NUM_FEATURES
 
 
-def _request(n: int = 3, top_n: int = 2, **context: str | int | float) -> RankRequest:
-    return RankRequest(
-        tuple(f"c{i}" for i in range(n)),
-        tuple(_row(float(i)) for i in range(n)),
-        context,
-        top_n,
-    )
+def _wire(
+    ids: Sequence[str],
+    rows: Sequence[Sequence[float | None]],
+    context: Mapping[str, str | int | float],
+    top_n: int,
+) -> WireRequest:
+    """A request as the router hands it on: None in ``rows`` is a missing feature (NaN)."""
+    return WireRequest(tuple(ids), np.asarray(rows, dtype=np.float32), context, top_n)
 
 
 def _norm(clip: float = 8.0) -> Normalization:
@@ -66,57 +67,14 @@ def test_schema_has_80_distinct_named_features_and_typed_context_with_defaults()
     assert set(CONTEXT_ORDER) >= {"surface", "hour_of_day", "device_class", "locale_bucket"}
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def test_valid_request_passes_including_missing_features_and_integral_float_hour():
-    req = RankRequest(
-        ("a", "b"), (_row(None), _row(2.5)), {"hour_of_day": 13.0, "surface": "cart"}, 50
-    )
-    validate_request(req)
-
-
-@pytest.mark.parametrize(
-    ("req", "field"),
-    [
-        (RankRequest((), (), {}, 1), "candidate_ids"),
-        (RankRequest(("a", "a"), (_row(), _row()), {}, 1), "candidate_ids"),
-        (RankRequest(("a", ""), (_row(), _row()), {}, 1), "candidate_ids[1]"),
-        (RankRequest(("a", "b"), (_row(),), {}, 1), "features"),
-        (RankRequest(("a",), ((1.0,) * 79,), {}, 1), "features[0]"),
-        (RankRequest(("a",), ((*_row()[:5], math.nan, *_row()[6:]),), {}, 1), "features[0][5]"),
-        (RankRequest(("a",), ((*_row()[:79], math.inf),), {}, 1), "features[0][79]"),
-        (RankRequest(("a",), ((*_row()[:3], "x", *_row()[4:]),), {}, 1), "features"),
-        (RankRequest(("a",), (_row(),), {"country": "de"}, 1), "context.country"),
-        (RankRequest(("a",), (_row(),), {"surface": "tv"}, 1), "context.surface"),
-        (RankRequest(("a",), (_row(),), {"hour_of_day": 24}, 1), "context.hour_of_day"),
-        (RankRequest(("a",), (_row(),), {"hour_of_day": 1.5}, 1), "context.hour_of_day"),
-        (RankRequest(("a",), (_row(),), {"hour_of_day": True}, 1), "context.hour_of_day"),
-        (RankRequest(("a",), (_row(),), {"locale_bucket": 3}, 1), "context.locale_bucket"),
-        (RankRequest(("a",), (_row(),), {}, 0), "top_n"),
-        (RankRequest(("a",), (_row(),), {}, True), "top_n"),
-    ],
-)
-def test_invalid_request_names_the_field(req: RankRequest, field: str):
-    with pytest.raises(ValueError) as info:
-        validate_request(req)
-    assert str(info.value).startswith(f"{field}:"), str(info.value)
-
-
-def test_nan_is_told_apart_from_missing_in_the_same_request():
-    feats = (_row(None), (*_row()[:10], math.nan, *_row()[11:]))
-    with pytest.raises(ValueError, match=r"features\[1\]\[10\]"):
-        validate_request(RankRequest(("a", "b"), feats, {}, 1))
-
-
 # --------------------------------------------------------------------------- preprocessing
 
 
 def test_encode_fills_missing_normalises_clips_and_flattens_without_padding():
     norm = _norm(clip=3.0)
     big = norm.mean[0] + 100 * norm.std[0]
-    req1 = RankRequest(("a",), ((None, *_row(None)[1:]),), {}, 1)
-    req2 = RankRequest(
+    req1 = _wire(("a",), ((None, *_row(None)[1:]),), {}, 1)
+    req2 = _wire(
         ("b", "c"),
         ((float(big), *tuple(norm.mean[1:].tolist())), _row(None)),
         {"surface": "search", "hour_of_day": 5},
@@ -150,8 +108,8 @@ def test_every_context_value_has_its_own_index():
 
 def test_top_n_sorted_by_score_ties_in_input_order_and_labels_by_band():
     reqs = [
-        RankRequest(("a", "b", "c", "d"), (_row(),) * 4, {}, 3),
-        RankRequest(("x", "y"), (_row(),) * 2, {}, 10),  # top_n above the candidate count
+        _wire(("a", "b", "c", "d"), (_row(),) * 4, {}, 3),
+        _wire(("x", "y"), (_row(),) * 2, {}, 10),  # top_n above the candidate count
     ]
     logits = np.array([0.0, 2.0, 0.0, 2.0, -3.0, 5.0], dtype=np.float32)
     out = rank_from_logits(reqs, logits, np.array([0, 4, 6]), LABELS)
@@ -274,12 +232,14 @@ def test_each_candidate_is_scored_independently_of_the_others():
     assert not torch.equal(other_ctx, full)  # the context reaches the score
 
 
-def test_encode_accepts_array_rows_with_nan_as_missing():
-    """The replica hands over decoded wire rows as arrays; NaN there means missing."""
+def test_encode_takes_nan_in_the_wire_rows_as_missing():
+    """The replica hands the router's float32 rows to the model as they are: NaN there means
+    missing, and is filled exactly like the fill value given outright."""
     norm = _norm()
-    rows = (_row(None), tuple(float(i) for i in range(NUM_FEATURES)))
-    as_tuples = RankRequest(("a", "b"), rows, {"surface": "cart"}, 1)
-    as_array = RankRequest(("a", "b"), np.array(rows, dtype=np.float32), {"surface": "cart"}, 1)
-    a, b = encode_batch([as_tuples], norm), encode_batch([as_array], norm)
+    given = tuple(float(i) for i in range(NUM_FEATURES))
+    missing = _wire(("a", "b"), (_row(None), given), {"surface": "cart"}, 1)
+    filled = _wire(("a", "b"), (tuple(norm.fill.tolist()), given), {"surface": "cart"}, 1)
+    assert np.isnan(missing.features[0]).all()
+    a, b = encode_batch([missing], norm), encode_batch([filled], norm)
     np.testing.assert_array_equal(a.features, b.features)
     np.testing.assert_array_equal(a.context, b.context)

@@ -12,19 +12,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from app.contracts import MAX_TEXT, ReplicaPhase, Target
 from app.errors import ArtifactRejected
 from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
     Decision,
-    Phase,
     ReconcileEvent,
     Reconciler,
-    Target,
     is_retryable,
     lower_thread_priority,
 )
 
+WAIT_S = 5.0  # for a loader thread to get where a test waits for it
 FAST = BackoffPolicy(initial_s=0.01, multiplier=2.0, cap_s=0.05, max_attempts=4)
 
 
@@ -96,7 +96,7 @@ def test_startup_load_is_synchronous() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1))
     snap = rec.snapshot()
-    assert snap.actual == target(1) and snap.phase is Phase.READY
+    assert snap.actual == target(1) and snap.phase is ReplicaPhase.READY
     assert loader.installed == [target(1)]
     rec.close()
 
@@ -125,9 +125,11 @@ def test_submit_returns_at_once_and_the_worker_installs(events: list[ReconcileEv
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     assert rec.submit(target(2, "b")) is Decision.ACCEPTED  # returns while the load is held
-    wait_until(lambda: loader.started[-1] == target(2, "b"), 5.0, "load of b started", every=0.005)
+    wait_until(
+        lambda: loader.started[-1] == target(2, "b"), WAIT_S, "load of b started", every=0.005
+    )
     assert rec.snapshot().actual == target(1, "a")
-    assert rec.snapshot().phase is Phase.LOADING
+    assert rec.snapshot().phase is ReplicaPhase.LOADING
     gate.set()
     assert rec.wait_settled(5)
     assert rec.snapshot().actual == target(2, "b")
@@ -152,15 +154,15 @@ def test_unchanged_late_and_conflicting_targets(events: list[ReconcileEvent]) ->
 def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
     events: list[ReconcileEvent],
 ) -> None:
-    # Regression guard for DESIGN.md "desired re-checked before install": a rollback issued
-    # while a slow candidate downloads must win, and the candidate must never serve.
+    # Regression guard for "desired is re-checked before install": a rollback issued while a
+    # slow candidate downloads must win, and the candidate must never serve.
     loader = GatedLoader()
     slow = loader.gate("slow")
     rec = make(loader, events)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "slow"))
     wait_until(
-        lambda: loader.started[-1].artifact_id == "slow", 5.0, "slow load started", every=0.005
+        lambda: loader.started[-1].artifact_id == "slow", WAIT_S, "slow load started", every=0.005
     )
     assert rec.submit(target(3, "a")) is Decision.ACCEPTED  # rollback to the old artifact
     slow.set()
@@ -178,7 +180,7 @@ def test_latest_target_wins_over_pending_ones() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_until(lambda: loader.started[-1].artifact_id == "b", 5.0, "b loading", every=0.005)
+    wait_until(lambda: loader.started[-1].artifact_id == "b", WAIT_S, "b loading", every=0.005)
     rec.submit(target(3, "c"))
     rec.submit(target(4, "d"))  # c is never started: it was superseded while pending
     first.set()
@@ -196,12 +198,28 @@ def test_a_final_failure_keeps_the_serving_target(events: list[ReconcileEvent]) 
     assert rec.wait_settled(5)
     snap = rec.snapshot()
     assert snap.actual == target(1, "a")
-    assert snap.phase is Phase.FAILED
+    assert snap.phase is ReplicaPhase.FAILED
     assert snap.last_error is not None and snap.last_error.category == "dry_run"
     assert snap.last_error.revision == 2
     assert len([t for t in loader.started if t.artifact_id == "bad"]) == 1  # not retried
     failed = [e for e in events if e.kind == "failed"]
     assert failed and failed[-1].error and failed[-1].error.artifact_id == "bad"
+    rec.close()
+
+
+def test_a_failure_with_a_huge_message_is_reported_cut_to_the_bounds() -> None:
+    # e.g. a state-dict mismatch of a big architecture names every key it misses
+    huge = ArtifactRejected("load", "missing keys " + "blocks.0.weight, " * 2000)
+    loader = GatedLoader(failures={"bad": [huge]})
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "bad"))
+    assert rec.wait_settled(5)
+    snap = rec.snapshot()
+    assert snap.phase is ReplicaPhase.FAILED and snap.last_error is not None
+    assert snap.last_error.category == "load" and snap.last_error.revision == 2
+    assert len(snap.last_error.message) == MAX_TEXT
+    assert snap.last_error.message.startswith("load: missing keys blocks.0.weight, ")
     rec.close()
 
 
@@ -227,7 +245,7 @@ def test_transient_failures_give_up_after_max_attempts() -> None:
     rec.submit(target(2, "b"))
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert snap.phase is ReplicaPhase.FAILED and snap.actual == target(1, "a")
     assert len([t for t in loader.started if t.artifact_id == "b"]) == FAST.max_attempts
     rec.close()
 
@@ -239,7 +257,7 @@ def test_a_new_target_cuts_a_backoff_short() -> None:
     rec = Reconciler(loader, policy=slow_policy, on_event=events.append)
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_until(lambda: rec.snapshot().phase is Phase.BACKOFF, 5.0, "backoff", every=0.005)
+    wait_until(lambda: rec.snapshot().phase is ReplicaPhase.BACKOFF, WAIT_S, "backoff", every=0.005)
     rec.submit(target(3, "c"))
     assert rec.wait_settled(5)  # did not wait out the 15-30 s backoff
     assert rec.snapshot().actual == target(3, "c")
@@ -254,7 +272,7 @@ def test_install_refused_by_the_holder_is_final() -> None:
     rec.submit(target(2, "b"))
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.phase is Phase.FAILED and snap.actual == target(1, "a")
+    assert snap.phase is ReplicaPhase.FAILED and snap.actual == target(1, "a")
     assert loader.discarded == [target(2, "b")]
     rec.close()
 
@@ -310,7 +328,7 @@ def test_clear_retires_the_serving_generation_and_goes_idle(
     rec.load_blocking(target(3, "a"))
     assert rec.clear() is True
     snap = rec.snapshot()
-    assert (snap.desired, snap.actual, snap.phase) == (None, None, Phase.IDLE)
+    assert (snap.desired, snap.actual, snap.phase) == (None, None, ReplicaPhase.IDLE)
     assert loader.retired == [target(3, "a")]
     assert events[-1].kind == "cleared" and events[-1].target == target(3, "a")
     assert rec.clear() is False  # nothing left to clear: no second retire
@@ -324,14 +342,16 @@ def test_a_load_in_flight_when_the_target_is_cleared_is_discarded() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_until(lambda: loader.started[-1].artifact_id == "b", 5.0, "load of b started", every=0.005)
+    wait_until(
+        lambda: loader.started[-1].artifact_id == "b", WAIT_S, "load of b started", every=0.005
+    )
     rec.clear()
     slow.set()
     assert rec.wait_settled(5)
     assert loader.installed == [target(1, "a")]
     assert loader.discarded == [target(2, "b")]
     snap = rec.snapshot()
-    assert snap.actual is None and snap.phase is Phase.IDLE and snap.discarded == (2,)
+    assert snap.actual is None and snap.phase is ReplicaPhase.IDLE and snap.discarded == (2,)
     rec.close()
 
 
@@ -340,11 +360,11 @@ def test_clear_stops_retries_of_a_failing_target() -> None:
     rec = make(loader, [])
     rec.load_blocking(target(1, "a"))
     rec.submit(target(2, "b"))
-    wait_until(lambda: len(loader.started) >= 2, 5.0, "first attempt of b", every=0.005)
+    wait_until(lambda: len(loader.started) >= 2, WAIT_S, "first attempt of b", every=0.005)
     rec.clear()
     assert rec.wait_settled(5)
     started = len(loader.started)
-    assert rec.snapshot().phase is Phase.IDLE
+    assert rec.snapshot().phase is ReplicaPhase.IDLE
     # No retry is scheduled any more: a new target is the next thing the worker loads.
     rec.submit(target(3, "c"))
     assert rec.wait_settled(5)
@@ -368,7 +388,7 @@ def test_after_a_clear_newer_targets_load_and_older_ones_stay_late() -> None:
     assert rec.submit(target(6, "b")) is Decision.ACCEPTED
     assert rec.wait_settled(5)
     snap = rec.snapshot()
-    assert snap.actual == target(6, "b") and snap.phase is Phase.READY
+    assert snap.actual == target(6, "b") and snap.phase is ReplicaPhase.READY
     assert loader.installed == [target(5, "a"), target(5, "a"), target(6, "b")]
     rec.close()
 

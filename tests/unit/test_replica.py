@@ -15,18 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.api import WireRequest
+from app.contracts import FaultInjection, WireRequest
 from app.demo_artifacts import make_demo_artifacts
 from app.errors import ConfigError
+from app.faults import FAULT_INJECTION_ENV, NO_FAULT
 from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
-from app.replica import (
-    FAULT_INJECTION_ENV,
-    NO_FAULT,
-    RankerReplica,
-    ReplicaNotReady,
-)
+from app.replica import RankerReplica, ReplicaNotReady
 
 TIMEOUT = 30.0
 
@@ -103,7 +99,7 @@ def test_an_invalid_config_on_a_serving_replica_is_refused_not_raised(
     assert serving.config == before
     report = serving.report()
     err = report.last_error
-    assert err is not None and err["category"] == "config" and err["field"] == field, err
+    assert err is not None and err.category == "config" and err.field == field, err
     assert report.config_error == err
     assert (report.actual_artifact, report.phase) == ("ranker-v42", "ready")
     assert serving.rank([request()]).model.artifact_id == "ranker-v42"
@@ -129,7 +125,7 @@ def test_a_later_load_failure_shows_over_an_older_config_error(
         lambda: serving.report().phase == "failed", TIMEOUT, "the broken target failed", every=0.01
     )
     report = serving.report()
-    assert report.last_error is not None and report.last_error["revision"] == 6
+    assert report.last_error is not None and report.last_error.revision == 6
     assert report.actual_artifact == "ranker-v42"
 
 
@@ -163,19 +159,19 @@ def test_background_loads_are_paced_and_the_startup_load_is_not(
     # A small share makes every burst of the dry run alone (tens of ms of CPU) pause.
     cfg = config(tmp_path, loading={"cpu_share": 0.2})
     replica.reconfigure({**cfg, "target": target(demo["ranker-v42"], 5)})
-    assert replica.report().timings["paced"] == 0.0  # nothing serves here until it is done
+    assert replica.report().timings.paced == 0.0  # nothing serves here until it is done
     replica.reconfigure({**cfg, "target": target(demo["ranker-v41"], 6)})
     wait_until(
         lambda: replica.report().actual_revision == 6, TIMEOUT, "revision 6 installed", every=0.01
     )
-    assert replica.report().timings["paced"] > 0.0
+    assert replica.report().timings.paced > 0.0
     replica.reconfigure(
         {**cfg, "loading": {"cpu_share": 1.0}, "target": target(demo["ranker-v42"], 7)}
     )
     wait_until(
         lambda: replica.report().actual_revision == 7, TIMEOUT, "revision 7 installed", every=0.01
     )
-    assert replica.report().timings["paced"] == 0.0  # a full share: unpaced
+    assert replica.report().timings.paced == 0.0  # a full share: unpaced
 
 
 # --------------------------------------------------------------------------- cleared target
@@ -220,7 +216,7 @@ def test_a_failed_target_on_an_idle_running_replica_is_reported_not_raised(
     wait_until(
         lambda: replica.report().phase == "failed", TIMEOUT, "the broken target failed", every=0.01
     )
-    assert replica.report().last_error["category"] == "schema"  # type: ignore[index]
+    assert replica.report().last_error.category == "schema"  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- fault injection
@@ -238,7 +234,7 @@ def test_faults_are_ignored_and_reported_without_the_environment_switch(
     assert all(serving.plan_fault() == NO_FAULT for _ in range(200))  # ... but inert
     assert serving.report().faults is None
     err = serving.report().last_error
-    assert err is not None and err["category"] == "config" and err["field"] == "user_config.faults"
+    assert err is not None and err.category == "config" and err.field == "user_config.faults"
 
 
 def test_faults_take_effect_where_the_environment_allows_them(
@@ -251,7 +247,7 @@ def test_faults_take_effect_where_the_environment_allows_them(
     failed = sum(p.fail for p in plans) / len(plans)
     assert 0.4 < failed < 0.6, failed
     report = serving.report()
-    assert report.last_error is None and report.faults == FAULTS
+    assert report.last_error is None and report.faults == FaultInjection(**FAULTS)
     always = {"error_rate": 1.0}
     serving.reconfigure(config(tmp_path, target=target_of(serving), faults=always))
     assert all(serving.plan_fault().fail for _ in range(100))
@@ -263,15 +259,15 @@ def test_faults_take_effect_where_the_environment_allows_them(
 def test_the_report_carries_the_memory_figures_of_an_in_place_promotion(
     replica: RankerReplica, demo, tmp_path: Path
 ) -> None:
-    idle = replica.report().capacity["memory"]
-    assert idle["resident_bytes"] == 0 and idle["load_peak_bytes"] is None
+    idle = replica.report().capacity.memory
+    assert idle.resident_bytes == 0 and idle.load_peak_bytes is None
     capacity = 1 << 30
     cfg = config(
         tmp_path, target=target(demo["ranker-v42"], 5), memory={"capacity_bytes": capacity}
     )
     assert replica.reconfigure(cfg)
-    memory = replica.report().capacity["memory"]
+    memory = replica.report().capacity.memory
     model = replica._holder.current.model  # type: ignore[union-attr]
-    assert memory["resident_bytes"] == model.param_bytes > 0
-    assert memory["capacity_bytes"] == capacity  # the configured budget wins over the device's
-    assert memory["load_peak_bytes"] == model.memory.single_buffer_peak > model.param_bytes
+    assert memory.resident_bytes == model.param_bytes > 0
+    assert memory.capacity_bytes == capacity  # the configured budget wins over the device's
+    assert memory.load_peak_bytes == model.memory.single_buffer_peak > model.param_bytes

@@ -1,0 +1,158 @@
+"""Loading a replica's target into a candidate model, and installing it as a generation.
+
+The reconciler (``app.reconciler``) decides when; this does the work: fetch and verify the
+artifact through the cache (holding a lease, so the cache does not evict bytes a model was
+loaded from), check it is the artifact the target names, load and dry-run it within the memory
+budget beside the model now serving (``app.loader``), and hand it to the generation holder.
+A background load is paced (``app.load_pacing``) so that it leaves the CPU to the requests
+served meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.cache import ArtifactCache, Lease
+from app.contracts import LoadTimings, Target
+from app.errors import ArtifactRejected
+from app.features import FEATURE_SCHEMA
+from app.generations import Generation, GenerationHolder
+from app.load_pacing import LoadPacer
+from app.loader import LoadedModel, load_verified
+from app.memory import MemoryBudget
+
+
+@dataclass
+class Candidate:
+    """A loaded, dry-run-validated model that is not serving yet."""
+
+    target: Target
+    model: LoadedModel
+    lease: Lease
+    timings: LoadTimings
+    handed_over: bool = False  # given to the generation holder, which owns its cleanup
+
+
+def close_model(model: Any, lease: Lease | None) -> None:
+    """Close a model that will not serve (any more) and release its cache lease."""
+    try:
+        model.close()
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+class ModelLoader:
+    """The reconciler's load/install/discard/retire steps (``app.reconciler.TargetLoader``)
+    for real artifacts, installing into the replica's generation holder.
+
+    ``cache``, ``budget`` and ``cpu_share`` are asked at each load, so a load uses the config
+    in effect when it starts. The holder's cleanup must call ``clean_up``: a generation keeps
+    its cache lease (its bytes stay in the cache) until it is cleaned up."""
+
+    def __init__(
+        self,
+        *,
+        cache: Callable[[], ArtifactCache],
+        holder: GenerationHolder,
+        budget: Callable[[], MemoryBudget],
+        device: torch.device,
+        on_installed: Callable[[Candidate], None],
+        cpu_share: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self._on_installed = on_installed
+        self._cpu_share = cpu_share  # None: an unpaced load
+        self._cache = cache
+        self._holder = holder
+        self._leases: dict[int, Lease] = {}  # id(model) -> lease, while its generation lives
+        self._budget = budget
+        self._device = device
+
+    def load(self, target: Target) -> Candidate:
+        if target.feature_schema != FEATURE_SCHEMA:
+            raise ArtifactRejected(
+                "schema",
+                f"target feature_schema {target.feature_schema!r}; this service speaks "
+                f"{FEATURE_SCHEMA!r}",
+                artifact_id=target.artifact_id,
+            )
+        cache = self._cache()
+        share = self._cpu_share()
+        pacer = LoadPacer(share) if share is not None else None  # a share of 1 never pauses
+        lease = cache.lease(target.manifest_sha256)
+        try:
+            artifact = cache.fetch_verified(
+                target.manifest_uri, target.manifest_sha256, pacer=pacer
+            )
+            if artifact.manifest.artifact_id != target.artifact_id:
+                raise ArtifactRejected(
+                    "manifest_digest",
+                    f"manifest names artifact {artifact.manifest.artifact_id!r}, the target "
+                    f"says {target.artifact_id!r}",
+                    artifact_id=target.artifact_id,
+                )
+            if artifact.manifest.feature_schema != target.feature_schema:
+                raise ArtifactRejected(
+                    "schema",
+                    f"manifest feature_schema {artifact.manifest.feature_schema!r} differs "
+                    f"from the target's {target.feature_schema!r}",
+                    artifact_id=target.artifact_id,
+                )
+            current = self._holder.current
+            resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
+            model = load_verified(
+                artifact,
+                device=self._device,
+                budget=self._budget(),
+                resident_bytes=resident,
+                pacer=pacer,
+            )
+        except BaseException:
+            lease.release()
+            raise
+        timings = LoadTimings(
+            download=float(artifact.timings.get("fetch_s", 0.0)),
+            verify=float(
+                artifact.timings.get("verify_s", 0.0) + artifact.timings.get("publish_s", 0.0)
+            ),
+            load=float(model.timings.get("load", 0.0)),
+            dry_run=float(model.timings.get("dry_run", 0.0)),
+            paced=pacer.paused_s if pacer is not None else 0.0,
+        )
+        return Candidate(target, model, lease, timings)
+
+    def install(self, target: Target, loaded: Candidate) -> bool:
+        started = time.perf_counter()
+        self._holder.set_desired(target.revision, target.artifact_id)
+        generation = Generation(
+            revision=target.revision, artifact_id=target.artifact_id, model=loaded.model
+        )
+        # The lease is released by the holder's cleanup when this generation retires.
+        self._leases[id(loaded.model)] = loaded.lease
+        loaded.handed_over = True
+        if not self._holder.install(generation):
+            # The holder cleaned the refused generation up (model closed, lease released).
+            return False
+        loaded.timings = loaded.timings.model_copy(
+            update={"install": time.perf_counter() - started}
+        )
+        self._on_installed(loaded)
+        return True
+
+    def discard(self, loaded: Candidate) -> None:
+        if not loaded.handed_over:
+            close_model(loaded.model, loaded.lease)
+
+    def retire(self) -> None:
+        # The holder's cleanup (model closed, lease released) runs when borrowers are done.
+        self._holder.retire_current()
+
+    def clean_up(self, generation: Generation) -> None:
+        """The holder's cleanup of a retired or refused generation."""
+        model = generation.model
+        close_model(model, self._leases.pop(id(model), None))
