@@ -47,7 +47,7 @@ from app.errors import (
     RolloutSystemError,
 )
 from app.registry import open_registry
-from app.registry.base import Registry, ReplicaReport, Target
+from app.registry.base import Registry, ReplicaReportRecord, TargetRecord
 from rollout import machine
 from rollout.analysis import WindowStats
 from rollout.machine import (
@@ -158,7 +158,7 @@ class RolloutEngine:
         self._reports: dict[str, dict[str, Any]] = {}
         self._reports_lock = threading.Lock()  # replicas report while a tick runs
         self._persisted_reports: dict[str, tuple[Any, ...]] = {}
-        self._observed: dict[str, Target] = {}
+        self._observed: dict[str, TargetRecord] = {}
         self._conflicted: set[str] = set()
         self._live: _Live | None = None
         # Set while ticks cannot reach the registry or Serve: when the hold began (a tick's
@@ -199,7 +199,7 @@ class RolloutEngine:
             stable = self._target_or_none("stable")
             if stable is not None and self._set_serve_target(s.stable_deployment, stable):
                 changed.append(f"stable target -> {stable.artifact_id} (rev {stable.revision})")
-            canary: Target | None = None
+            canary: TargetRecord | None = None
             if self._live is not None and self._live.state.canary_target is not None:
                 canary = self._target_or_none("canary")
             if self._set_serve_target(s.canary_deployment, canary):
@@ -286,7 +286,7 @@ class RolloutEngine:
             self._commands.append(command)
             return {"queued": type(command).__name__.lower(), **self.rollout_summary()}
 
-    def rollback_stable(self, artifact_id: str | None, *, actor: str, reason: str) -> Target:
+    def rollback_stable(self, artifact_id: str | None, *, actor: str, reason: str) -> TargetRecord:
         """Point stable back at an earlier artifact (a higher revision) when no rollout runs.
 
         The weights already send everything to stable; the stable replicas hot-swap while
@@ -524,7 +524,9 @@ class RolloutEngine:
             self._commands.appendleft(Abort(reason=reason))
             self._error(reason)
 
-    def _publish_for_rollout(self, cohort: str, artifact_id: str, reason: str) -> Target | None:
+    def _publish_for_rollout(
+        self, cohort: str, artifact_id: str, reason: str
+    ) -> TargetRecord | None:
         if cohort in self._conflicted:
             self.alerts.append(
                 f"warning: {cohort} target left as another writer set it (not {artifact_id})"
@@ -550,7 +552,7 @@ class RolloutEngine:
         actor: str,
         reason: str,
         expected_revision: int | None = None,
-    ) -> Target:
+    ) -> TargetRecord:
         """Compare-and-set the cohort's target to ``artifact_id`` unless it already is.
 
         ``expected_revision``: the revision the caller last knew (a rollout's own record);
@@ -588,7 +590,7 @@ class RolloutEngine:
         self._observed[cohort] = target
         return target
 
-    def _target_or_none(self, cohort: str) -> Target | None:
+    def _target_or_none(self, cohort: str) -> TargetRecord | None:
         s = self.settings
         try:
             target = self.registry.get_target(
@@ -599,7 +601,7 @@ class RolloutEngine:
         self._observed[cohort] = target
         return target
 
-    def _previous_stable(self, current: Target) -> str:
+    def _previous_stable(self, current: TargetRecord) -> str:
         for entry in self.registry.history(
             self.settings.model, self.settings.environment, cohort="stable"
         ):
@@ -609,7 +611,7 @@ class RolloutEngine:
             f"stable has no earlier artifact than {current.artifact_id}; name one with --to"
         )
 
-    def _set_serve_target(self, deployment: str, target: Target | None) -> bool:
+    def _set_serve_target(self, deployment: str, target: TargetRecord | None) -> bool:
         s = self.settings
         config = self.serve.current_user_config(s.app_name, deployment) or {}
         wanted = dict(config)
@@ -845,8 +847,8 @@ def _describe_error(error: Any) -> str | None:
     return str(error)
 
 
-def _registry_report(report: Mapping[str, Any], s: ControllerSettings) -> ReplicaReport:
-    return ReplicaReport(
+def _registry_report(report: Mapping[str, Any], s: ControllerSettings) -> ReplicaReportRecord:
+    return ReplicaReportRecord(
         replica_id=str(report["replica_id"]),
         model=s.model,
         environment=s.environment,

@@ -16,7 +16,7 @@ from typing import Any
 
 from app.errors import NotFound
 from app.packing import PackResult
-from app.registry import Registry, Target
+from app.registry import Registry, TargetRecord
 
 BASELINE = "ranker-v41"
 CANDIDATE = "ranker-v42"
@@ -36,7 +36,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, desc: str, every: f
         time.sleep(every)
 
 
-def target_config(target: Target) -> dict[str, Any]:
+def target_config(target: TargetRecord) -> dict[str, Any]:
     return {
         "revision": target.revision,
         "artifact_id": target.artifact_id,
