@@ -38,7 +38,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.contracts import BASIS_POINTS
+from app.contracts import BASIS_POINTS, ReplicaPhase
 from app.errors import (
     InvalidState,
     NotFound,
@@ -60,7 +60,6 @@ from rollout.machine import (
     PoolView,
     Promote,
     RecordAudit,
-    ReplicaState,
     Resume,
     Rollback,
     ScaleCanary,
@@ -79,14 +78,6 @@ CONTROLLER_NAME: Final = "rollout-controller"
 CONTROLLER_NAMESPACE: Final = "rollout"
 ACTOR: Final = "rollout-controller"
 EVENT_HISTORY: Final = 200  # audit events kept in the persisted state
-
-_PHASE_TO_STATE: Final = {
-    "idle": ReplicaState.IDLE,
-    "loading": ReplicaState.LOADING,
-    "backoff": ReplicaState.LOADING,
-    "ready": ReplicaState.READY,
-    "failed": ReplicaState.FAILED,
-}
 
 
 class ControllerSettings(BaseModel):
@@ -459,11 +450,11 @@ class RolloutEngine:
                 continue
             error = report.get("last_error")
             reports.append(
-                machine.ReplicaReport(
+                machine.ReplicaObservation(
                     replica_id=replica_id,
                     desired_artifact_id=report.get("desired_artifact"),
                     actual_artifact_id=report.get("actual_artifact"),
-                    state=_PHASE_TO_STATE.get(str(report.get("phase")), ReplicaState.LOADING),
+                    phase=ReplicaPhase(report.get("phase")),
                     error=_describe_error(error),
                 )
             )
