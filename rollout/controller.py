@@ -67,7 +67,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
 )
-from rollout.metrics import MetricsUnavailable, PromQLSource, RayScrapeSource, SnapshotWindows
+from rollout.metrics import MetricsUnavailable, MetricsWindows, windows_for
 from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.state import RolloutState, Weights
@@ -125,25 +125,19 @@ class RolloutEngine:
         *,
         registry: Registry | None = None,
         serve: ServeControl | None = None,
-        windows: SnapshotWindows | PromQLSource | None = None,
+        windows: MetricsWindows | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.registry = registry or open_registry(settings.registry_url)
         self.serve = serve or ServeControl(settings.dashboard_url)
         self.clock = clock
-        if windows is None:
-            if settings.prometheus_url:
-                windows = PromQLSource(settings.prometheus_url, application=settings.app_name)
-            else:
-                endpoints = list(settings.metrics_endpoints)
-                source = (
-                    RayScrapeSource(lambda: endpoints, application=settings.app_name, clock=clock)
-                    if endpoints
-                    else RayScrapeSource(application=settings.app_name, clock=clock)
-                )
-                windows = SnapshotWindows(source)
-        self.windows = windows
+        self.windows = windows or windows_for(
+            application=settings.app_name,
+            prometheus_url=settings.prometheus_url,
+            endpoints=settings.metrics_endpoints,
+            clock=clock,
+        )
         self._lock = threading.RLock()
         self._commands: deque[OperatorCommand] = deque()
         self._reports: dict[str, dict[str, Any]] = {}
