@@ -236,3 +236,23 @@ class FakeDashboard:
 
     def live(self, app: str, deployment: str) -> dict[str, Any]:
         return self.details["applications"][app]["deployments"][deployment]
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+class FakeWindows:
+    """Metrics windows on demand: ``stats(start, end)`` gives the window asked for (None: no
+    window, as before the second snapshot)."""
+
+    def __init__(self, stats: Any = None) -> None:
+        self.stats = stats
+        self.observed = 0
+        self.asked: list[tuple[float, float]] = []
+
+    def observe(self) -> None:
+        self.observed += 1
+
+    def window_between(self, start: float, end: float) -> Any:
+        self.asked.append((start, end))
+        return None if self.stats is None else self.stats(start, end)
