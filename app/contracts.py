@@ -61,9 +61,7 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Text = Annotated[str, StringConstraints(max_length=4000)]
 PathText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 Uri = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
-Sha256 = Annotated[
-    str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)
-]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)]
 Revision = Annotated[int, Field(ge=1, le=MAX_REVISION)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_DURATION_S)]
@@ -172,8 +170,7 @@ class Target(Contract):
 
     def same_artifact(self, other: Target) -> bool:
         return (
-            self.artifact_id == other.artifact_id
-            and self.manifest_sha256 == other.manifest_sha256
+            self.artifact_id == other.artifact_id and self.manifest_sha256 == other.manifest_sha256
         )
 
 
