@@ -552,7 +552,7 @@ def test_a_hold_does_not_save_a_rollout_already_past_its_deadline() -> None:
 
 
 def test_failed_checks_below_threshold_hold_and_a_pass_resets_them() -> None:
-    # Semantics: threshold counts CONSECUTIVE failed windows (seeds/002); a pass resets the
+    # Semantics: threshold counts CONSECUTIVE failed windows; a pass resets the
     # count and completes the step, an inconclusive window leaves the count alone.
     d = Driver.start()
     t = drive_to_step(d, 0)  # 5%, confirmed at t=25
