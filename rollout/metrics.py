@@ -180,7 +180,6 @@ class RayScrapeSource:
         self.application = application
         self._clock = clock
         self._client = httpx.Client(timeout=timeout_s)
-        self.last_errors: list[str] = []
 
     def snapshot(self) -> MetricsSnapshot:
         wanted = (REQUESTS_SERIES, LATENCY_SERIES + "_bucket")
@@ -197,7 +196,6 @@ class RayScrapeSource:
             for (name, labels), value in parse_exposition(response.text, wanted).items():
                 # One node's series are told apart from another's by the endpoint.
                 values[(name, (*labels, ("_endpoint", url)))] = value
-        self.last_errors = errors
         if endpoints and len(errors) == len(endpoints):
             raise MetricsUnavailable("; ".join(errors))
         return MetricsSnapshot(self._clock(), values)
