@@ -496,7 +496,7 @@ class HoldView(Contract):
 
 
 class VerdictView(Contract):
-    step: Annotated[int, Field(ge=0, le=1000)]
+    step: Annotated[int, Field(ge=-1, le=1000)]  # as RolloutSummary.step
     outcome: Name
     reasons: tuple[Text, ...] = ()
 
@@ -550,7 +550,7 @@ class ReplicaRow(Contract):
 
 
 class CohortWindowView(Contract):
-    requests: Annotated[float, Field(ge=0)]
+    requests: Annotated[int, Field(ge=0)]  # whole requests, as the judge counts them
     rps: Annotated[float, Field(ge=0)]
     error_rate: Annotated[float, Field(ge=0, le=1)] | None
     p50_ms: Annotated[float, Field(ge=0)] | None

@@ -14,12 +14,20 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
 import click
+from pydantic import ValidationError
 
+from app.contracts import (
+    CommandAccepted,
+    ControllerPing,
+    ControllerSettings,
+    ControllerStatus,
+    PublishedTarget,
+    RolloutSummary,
+)
 from app.errors import (
     ArtifactRejected,
     ConfigError,
@@ -30,6 +38,7 @@ from app.errors import (
     RolloutSystemError,
 )
 from app.manifest import Architecture, is_sha256_hex
+from rollout.status_view import render_status
 
 EXIT_OK: Final = 0
 EXIT_UNEXPECTED: Final = 1
@@ -227,7 +236,7 @@ def _cluster_options(func: Any) -> Any:
 
 def _attach(address: str | None) -> str | None:
     """Attach to the running cluster; its dashboard URL when Ray tells it."""
-    from rollout.controller import connect
+    from rollout.actor import connect
 
     try:
         return connect(address)
@@ -239,7 +248,7 @@ def _attach(address: str | None) -> str | None:
 
 def _running_controller(address: str | None) -> Any:
     """The cluster's controller, which must already run (never created here)."""
-    from rollout.controller import get_controller
+    from rollout.actor import get_controller
 
     _attach(address)
     handle = get_controller()
@@ -251,12 +260,7 @@ def _running_controller(address: str | None) -> Any:
 def _controller(address: str | None, db_url: str | None, dashboard: str | None) -> Any:
     """Attach to the cluster and return its controller, creating it if absent."""
     from app.registry import default_registry_url
-    from rollout.controller import (
-        ControllerSettings,
-        absolute_registry_url,
-        ensure_controller,
-        get_controller,
-    )
+    from rollout.actor import absolute_registry_url, ensure_controller, get_controller
 
     cluster_dashboard = _attach(address)
     existing = get_controller()
@@ -278,76 +282,12 @@ def _call(handle_method: Any, *args: Any) -> Any:
     return ray.get(handle_method.remote(*args), timeout=120)
 
 
-def _show(payload: Any, as_json: bool) -> None:
+def _show(payload: dict[str, Any], as_json: bool, view: type[RolloutSummary]) -> None:
+    """A controller's answer: as it came (``--json``), or rendered from its ``view`` model."""
     if as_json:
-        emit(payload if isinstance(payload, dict) else {"result": payload})
+        emit(payload)
     else:
-        click.echo(render_status(payload) if isinstance(payload, dict) else str(payload))
-
-
-def _pct(bp: int | None) -> str:
-    return "-" if bp is None else f"{bp / 100:g}%"
-
-
-def render_status(view: dict[str, Any]) -> str:
-    """The human view of ``rollout status``."""
-    lines = []
-    if view.get("rollout"):
-        step = view.get("step", -1)
-        steps = view.get("steps") or []
-        where = f"step {step + 1}/{len(steps)} ({view.get('step_percent')}%)" if step >= 0 else ""
-        lines.append(
-            f"rollout {view['rollout']}: {view['phase']} {where}  "
-            f"candidate {view['candidate']} over {view['baseline']}"
-        )
-        w = view.get("weights") or {}
-        lines.append(
-            f"weights: stable {_pct(w.get('stable_bp'))} canary {_pct(w.get('canary_bp'))}"
-            f"   failed checks {view.get('failed_checks', 0)}"
-            + (f"   gate {view['pending_gate']}" if view.get("pending_gate") else "")
-            + (f"   reason: {view['reason']}" if view.get("reason") else "")
-        )
-        held = view.get("held")
-        if held:
-            since = datetime.fromtimestamp(held["since"], UTC).strftime("%H:%M:%S")
-            lines.append(
-                f"HELD since {since} UTC (deadlines paused, serving goes on): {held['reason']}"
-            )
-    else:
-        lines.append("no rollout in progress")
-    window = view.get("last_window")
-    if window:
-        parts = []
-        for cohort in ("stable", "canary"):
-            c = window.get(cohort)
-            if c:
-                err = "-" if c["error_rate"] is None else f"{c['error_rate'] * 100:.2f}%"
-                p99 = "-" if c["p99_ms"] is None else f"{c['p99_ms']:.1f}ms"
-                parts.append(f"{cohort} {c['rps']}/s err {err} p99 {p99}")
-        span = window["end"] - window["start"]
-        lines.append(f"last window ({span:.0f}s): " + (" | ".join(parts) or "no traffic"))
-    for verdict in view.get("verdicts") or []:
-        lines.append(
-            f"  verdict step {verdict['step'] + 1}: {verdict['outcome']}: "
-            + "; ".join(verdict["reasons"])
-        )
-    for target in view.get("targets") or []:
-        lines.append(
-            f"target {target['cohort']}: {target['artifact_id']} (revision {target['revision']})"
-        )
-    replicas = view.get("replicas") or []
-    if replicas:
-        lines.append(f"{'replica':<12} {'cohort':<7} {'phase':<8} {'actual':<14} {'rev':>4}  error")
-        for r in replicas:
-            lines.append(
-                f"{str(r['replica'])[:12]:<12} {r['cohort']!s:<7} {r['phase']!s:<8} "
-                f"{r['actual']!s:<14} {r['actual_revision']!s:>4}  {r.get('error') or ''}"
-            )
-    for event in (view.get("events") or [])[-5:]:
-        lines.append(f"  event {event['event']}: {event['message']}")
-    for alert in view.get("alerts") or []:
-        lines.append(f"  ALERT {alert}")
-    return "\n".join(lines)
+        click.echo(render_status(view.model_validate(payload)))
 
 
 @cli.group()
@@ -412,10 +352,11 @@ def start_command(
 
     plan = load_plan(plan_file) if plan_file else RolloutPlan()
     handle = _controller(address, db_url, dashboard)
-    settings = _call(handle.ping)
-    if settings["model"] != model:
-        raise ConfigError(f"MODEL: this cluster's controller manages {settings['model']!r}")
-    _show(_call(handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor), as_json)
+    settings = ControllerPing.model_validate(_call(handle.ping))
+    if settings.model != model:
+        raise ConfigError(f"MODEL: this cluster's controller manages {settings.model!r}")
+    summary = _call(handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor)
+    _show(summary, as_json, RolloutSummary)
 
 
 @cli.command("status")
@@ -433,11 +374,15 @@ def status_command(
     """Phase, step, weights, per-cohort traffic, verdicts, replicas."""
     handle = _controller(address, db_url, dashboard)
     while True:
-        view = _call(handle.status)
+        answer = _call(handle.status)
+        view = ControllerStatus.model_validate(answer)
         if watch and not as_json:
             click.echo("\x1b[2J\x1b[H", nl=False)
-        _show(view, as_json)
-        if not watch or not view.get("rollout") or view.get("finished"):
+        if as_json:
+            emit(answer)
+        else:
+            click.echo(render_status(view))
+        if not watch or not view.rollout or view.finished:
             return
         time.sleep(interval)
 
@@ -450,7 +395,7 @@ def _operator_command(name: str, doc: str) -> None:
         reason: str, address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
     ) -> None:
         handle = _controller(address, db_url, dashboard)
-        _show(_call(handle.command, name, reason), as_json)
+        _show(_call(handle.command, name, reason), as_json, CommandAccepted)
 
 
 _operator_command("pause", "Hold the rollout at its current weights.")
@@ -482,16 +427,17 @@ def rollback_command(
     """Fast path: weights to stable first, no analysis. With no rollout in progress, point
     stable back at an earlier artifact at a higher revision."""
     handle = _controller(address, db_url, dashboard)
-    view = _call(handle.status)
-    if view.get("rollout") and not view.get("finished"):
-        if to_artifact is not None and to_artifact != view.get("baseline"):
+    view = ControllerStatus.model_validate(_call(handle.status))
+    if view.rollout and not view.finished:
+        if to_artifact is not None and to_artifact != view.baseline:
             raise ConfigError(
-                f"--to: a rollout is in progress; its rollback returns to {view['baseline']}"
+                f"--to: a rollout is in progress; its rollback returns to {view.baseline}"
             )
-        _show(_call(handle.command, "rollback", reason), as_json)
+        _show(_call(handle.command, "rollback", reason), as_json, CommandAccepted)
         return
-    target = _call(handle.rollback_stable, to_artifact, actor, reason or "rollback")
-    emit({"stable": target["artifact_id"], "revision": target["revision"]})
+    answer = _call(handle.rollback_stable, to_artifact, actor, reason or "rollback")
+    target = PublishedTarget.model_validate(answer)
+    emit({"stable": target.artifact_id, "revision": target.revision})
 
 
 @cli.command("history")
@@ -560,6 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code_for(exc)
     except OSError as exc:
         click.echo(f"error[io]: {exc}", err=True)
+        return EXIT_UNEXPECTED
+    except ValidationError as exc:
+        # An answer of the controller that this CLI's contracts do not read (another version).
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        click.echo(f"error[contract]: {exc.title}.{where}: {first.get('msg')}", err=True)
         return EXIT_UNEXPECTED
     return EXIT_OK
 

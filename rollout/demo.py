@@ -19,7 +19,8 @@ from typing import Any
 
 import click
 
-from rollout.local_stack import BASELINE, CANDIDATE, LocalStack, wait_until
+from app.polling import wait_until
+from rollout.local_stack import BASELINE, CANDIDATE, LocalStack
 from rollout.traffic import (
     RequestRecord,
     TrafficRun,

@@ -8,42 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.contracts import ControllerSettings
 from app.errors import NotFound
 from app.packing import PackResult
-from app.registry import Registry, Target
+from app.registry import Registry
 
 BASELINE = "ranker-v41"
 CANDIDATE = "ranker-v42"
 APP = "ranker"
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, desc: str, every: float = 0.25) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned); TimeoutError naming
-    ``desc`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {desc}")
-        time.sleep(every)
-
-
-def target_config(target: Target) -> dict[str, Any]:
-    return {
-        "revision": target.revision,
-        "artifact_id": target.artifact_id,
-        "manifest_uri": target.manifest_uri,
-        "manifest_sha256": target.manifest_sha256,
-        "feature_schema": target.feature_schema,
-    }
 
 
 @dataclass
@@ -53,7 +30,7 @@ class LocalStack:
     registry: Registry
     registry_url: str
     packed: dict[str, PackResult]
-    controller: Any  # ActorHandle of rollout.controller.RolloutController
+    controller: Any  # ActorHandle of rollout.actor.RolloutController
 
     @classmethod
     def up(
@@ -67,7 +44,7 @@ class LocalStack:
         """Start everything; ``args`` are merged into the app builder's args."""
         from app.demo_artifacts import make_demo_artifacts
         from app.registry import open_registry
-        from rollout.controller import CONTROLLER_NAME, ControllerSettings, ensure_controller
+        from rollout.actor import CONTROLLER_NAME, CONTROLLER_NAMESPACE, ensure_controller
         from rollout.local_cluster import LocalCluster
 
         workdir = workdir.resolve()
@@ -98,10 +75,10 @@ class LocalStack:
         try:
             echo(f"   dashboard {cluster.dashboard_url}   HTTP {cluster.http_url}")
             app_args: dict[str, Any] = {
-                "stable": {"num_replicas": 1, "target": target_config(stable)},
+                "stable": {"num_replicas": 1, "target": stable.target().model_dump(mode="json")},
                 "canary": {"num_replicas": 1},
                 "cache_dir": str(workdir / "cache"),
-                "controller": {"name": CONTROLLER_NAME, "namespace": "rollout"},
+                "controller": {"name": CONTROLLER_NAME, "namespace": CONTROLLER_NAMESPACE},
                 "report_interval_s": 1.0,
             }
             for key, value in (args or {}).items():
@@ -144,7 +121,7 @@ class LocalStack:
     def down(self) -> None:
         import ray
 
-        from rollout.controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+        from rollout.actor import CONTROLLER_NAME, CONTROLLER_NAMESPACE
         from rollout.local_cluster import LocalCluster
 
         with contextlib.suppress(ValueError):  # never created, or already gone

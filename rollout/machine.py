@@ -36,18 +36,16 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Literal
 
+from app.contracts import ReplicaPhase
 from rollout.analysis import Outcome, Verdict, WindowStats, judge
 from rollout.state import (
     GATE_OPERATOR,
     GATE_PROMOTION,
     VERDICT_HISTORY,
     Phase,
-    RolloutInProgress,
     RolloutState,
     VerdictRecord,
     Weights,
@@ -58,21 +56,17 @@ from rollout.state import (
 # --------------------------------------------------------------------------- observations
 
 
-class ReplicaState(StrEnum):
-    IDLE = "idle"  # no target
-    LOADING = "loading"  # working on its desired target (may still serve an older model)
-    READY = "ready"  # serving its desired target
-    FAILED = "failed"  # its desired target failed to load; it keeps serving what it had
-
-
 @dataclass(frozen=True)
-class ReplicaReport:
-    """What one replica last reported about itself."""
+class ReplicaObservation:
+    """What one replica last reported about itself, as far as the machine cares.
+
+    Only READY counts as ready and only FAILED as failed: a replica in BACKOFF (waiting to
+    retry after a transient failure) is still working on its target, as one LOADING is."""
 
     replica_id: str
     desired_artifact_id: str | None
     actual_artifact_id: str | None
-    state: ReplicaState
+    phase: ReplicaPhase
     error: str | None = None
 
 
@@ -80,14 +74,14 @@ class ReplicaReport:
 class PoolView:
     """One deployment's replicas. ``expected`` is the replica count Serve is configured for."""
 
-    replicas: tuple[ReplicaReport, ...] = ()
+    replicas: tuple[ReplicaObservation, ...] = ()
     expected: int = 0
 
     def ready_on(self, artifact_id: str) -> int:
         return sum(
             1
             for r in self.replicas
-            if r.state is ReplicaState.READY
+            if r.phase is ReplicaPhase.READY
             and r.desired_artifact_id == artifact_id
             and r.actual_artifact_id == artifact_id
         )
@@ -95,11 +89,11 @@ class PoolView:
     def all_ready_on(self, artifact_id: str, at_least: int = 1) -> bool:
         return self.ready_on(artifact_id) >= max(at_least, self.expected, 1)
 
-    def failures_on(self, artifact_id: str) -> list[ReplicaReport]:
+    def failures_on(self, artifact_id: str) -> list[ReplicaObservation]:
         return [
             r
             for r in self.replicas
-            if r.state is ReplicaState.FAILED and r.desired_artifact_id == artifact_id
+            if r.phase is ReplicaPhase.FAILED and r.desired_artifact_id == artifact_id
         ]
 
 
@@ -222,21 +216,6 @@ def step_weights(state: RolloutState, index: int) -> Weights:
 
 def canary_replicas_for(state: RolloutState, canary_bp: int) -> int:
     return state.plan.canary_scaling.replicas_for(canary_bp / 100)
-
-
-def refuse_if_active(rollouts: Iterable[RolloutState], model: str) -> None:
-    """Raise RolloutInProgress if ``model`` has a rollout that has not finished (cleanup
-    included). The registry enforces the same rule transactionally; this is the state-level
-    check the controller makes before creating a rollout."""
-    for other in rollouts:
-        if other.model == model and other.is_active:
-            raise RolloutInProgress(
-                f"model {model!r} already has rollout {other.rollout_id!r} "
-                f"({other.phase.value}, candidate {other.candidate_artifact_id}); "
-                "abort it or wait for it to finish",
-                model=model,
-                rollout_id=other.rollout_id,
-            )
 
 
 def next_window(state: RolloutState, now: float) -> tuple[float, float] | None:
@@ -677,8 +656,7 @@ __all__ = [
     "PoolView",
     "Promote",
     "RecordAudit",
-    "ReplicaReport",
-    "ReplicaState",
+    "ReplicaObservation",
     "Resume",
     "Rollback",
     "ScaleCanary",
@@ -688,6 +666,5 @@ __all__ = [
     "advance",
     "canary_replicas_for",
     "next_window",
-    "refuse_if_active",
     "step_weights",
 ]

@@ -3,9 +3,10 @@
 Two sources give the same output (``analysis.WindowStats``):
 
 - ``RayScrapeSource`` scrapes every node's Prometheus endpoint (nodes discovered through Ray,
-  or given explicitly) and keeps the previous snapshot: a window is the difference of two
-  snapshots. Counter resets (a replica restarted: its series starts again at 0) count the new
-  value as the increase; series of dead replicas stop moving and add nothing.
+  or given explicitly); ``SnapshotWindows`` keeps its snapshots, one per controller tick, and
+  a window is the difference of two of them. Counter resets (a replica restarted: its series
+  starts again at 0) count the new value as the increase; series of dead replicas stop moving
+  and add nothing.
 - ``PromQLSource`` asks a Prometheus server that scrapes the cluster (``increase`` and
   bucket sums over the window), for clusters that run one.
 
@@ -42,7 +43,7 @@ class MetricsUnavailable(Exception):
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class MetricsSnapshot:
     taken_at: float
     values: Mapping[SeriesKey, float]
 
@@ -106,7 +107,7 @@ def parse_exposition(text: str, wanted: Iterable[str]) -> dict[SeriesKey, float]
     return out
 
 
-def window_increase(previous: Snapshot, current: Snapshot) -> dict[SeriesKey, float]:
+def window_increase(previous: MetricsSnapshot, current: MetricsSnapshot) -> dict[SeriesKey, float]:
     """Per-series increase from ``previous`` to ``current``.
 
     A series whose value went down was reset (a new replica process): its whole current value
@@ -152,12 +153,6 @@ def to_window(counts: Mapping[str, CohortCounts], start: float, end: float) -> W
     return WindowStats(start=start, end=end, canary=stats("canary"), stable=stats("stable"))
 
 
-class WindowSource(Protocol):
-    def window(self) -> WindowStats:
-        """Stats since the previous call (the first call opens the first window)."""
-        ...
-
-
 def ray_metrics_endpoints() -> list[str]:
     """Every alive node's metrics endpoint, from Ray's node table (call inside Ray)."""
     import ray
@@ -185,10 +180,8 @@ class RayScrapeSource:
         self.application = application
         self._clock = clock
         self._client = httpx.Client(timeout=timeout_s)
-        self._previous: Snapshot | None = None
-        self.last_errors: list[str] = []
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> MetricsSnapshot:
         wanted = (REQUESTS_SERIES, LATENCY_SERIES + "_bucket")
         values: dict[SeriesKey, float] = {}
         errors = []
@@ -203,19 +196,9 @@ class RayScrapeSource:
             for (name, labels), value in parse_exposition(response.text, wanted).items():
                 # One node's series are told apart from another's by the endpoint.
                 values[(name, (*labels, ("_endpoint", url)))] = value
-        self.last_errors = errors
         if endpoints and len(errors) == len(endpoints):
             raise MetricsUnavailable("; ".join(errors))
-        return Snapshot(self._clock(), values)
-
-    def window(self) -> WindowStats:
-        current = self.snapshot()
-        previous = self._previous
-        self._previous = current
-        if previous is None:
-            return WindowStats(current.taken_at, current.taken_at, None, None)
-        counts = cohort_window(window_increase(previous, current), application=self.application)
-        return to_window(counts, previous.taken_at, current.taken_at)
+        return MetricsSnapshot(self._clock(), values)
 
     def close(self) -> None:
         self._client.close()
@@ -228,7 +211,7 @@ class SnapshotWindows:
 
     def __init__(self, source: RayScrapeSource, *, keep: int = 4096) -> None:
         self.source = source
-        self._snapshots: list[Snapshot] = []
+        self._snapshots: list[MetricsSnapshot] = []
         self._keep = keep
 
     def observe(self) -> None:
@@ -255,14 +238,11 @@ class PromQLSource:
         base_url: str,
         *,
         application: str | None = None,
-        clock: Callable[[], float] = time.time,
         timeout_s: float = 5.0,
     ) -> None:
         self._base = base_url.rstrip("/")
         self._application = application
-        self._clock = clock
         self._client = httpx.Client(timeout=timeout_s)
-        self._previous_end: float | None = None
 
     def _selector(self) -> str:
         return f'{{application="{self._application}"}}' if self._application else ""
@@ -307,12 +287,31 @@ class PromQLSource:
     def observe(self) -> None:
         """Nothing to keep: Prometheus holds the history."""
 
-    def window(self) -> WindowStats:
-        end = self._clock()
-        start, self._previous_end = self._previous_end, end
-        if start is None:
-            return WindowStats(end, end, None, None)
-        return self.window_between(start, end)
-
     def close(self) -> None:
         self._client.close()
+
+
+class MetricsWindows(Protocol):
+    """What the controller asks of a metrics source: ``observe`` once per tick, then the
+    per-cohort stats between two instants (None: not enough snapshots to tell yet)."""
+
+    def observe(self) -> None: ...
+
+    def window_between(self, start: float, end: float) -> WindowStats | None: ...
+
+
+def windows_for(
+    *,
+    application: str,
+    prometheus_url: str | None = None,
+    endpoints: Sequence[str] = (),
+    clock: Callable[[], float] = time.time,
+) -> MetricsWindows:
+    """PromQL when a Prometheus server is named; else scrapes of the given endpoints, or of
+    every node's endpoint that Ray knows of when none is given."""
+    if prometheus_url:
+        return PromQLSource(prometheus_url, application=application)
+    if endpoints:
+        fixed = list(endpoints)
+        return SnapshotWindows(RayScrapeSource(lambda: fixed, application=application, clock=clock))
+    return SnapshotWindows(RayScrapeSource(application=application, clock=clock))

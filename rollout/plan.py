@@ -33,13 +33,16 @@ from app.errors import ConfigError
 DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
 DEFAULT_INTERVAL_S: Final = 60.0
 DEFAULT_MIN_REQUESTS: Final = 100
-DEFAULT_THRESHOLD: Final = 3  # seeds/002: three consecutive failed checks roll back
+# Three failed windows in a row roll back: one bad window is as likely noise as a regression.
+DEFAULT_THRESHOLD: Final = 3
 DEFAULT_PROGRESS_DEADLINE_S: Final = 600.0
 DEFAULT_SUCCESS_RATE_MIN: Final = 0.98
 DEFAULT_P99_MAX_MS: Final = 250.0
-DEFAULT_ERROR_RATE_MAX_RATIO: Final = 3.0  # seeds/002: 3x the baseline error rate
+# The canary may fail up to 3x as often as stable in the same window (see the floor below).
+DEFAULT_ERROR_RATE_MAX_RATIO: Final = 3.0
 DEFAULT_ERROR_RATE_FLOOR: Final = 0.01
-DEFAULT_P99_MAX_RATIO: Final = 1.5  # seeds/002: 1.5x the baseline p99
+# The canary's p99 may be up to 1.5x stable's in the same window (plus the slack below).
+DEFAULT_P99_MAX_RATIO: Final = 1.5
 DEFAULT_P99_SLACK_MS: Final = 5.0
 
 PromotionStrategy = Literal["shift", "in_place"]

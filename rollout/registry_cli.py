@@ -33,7 +33,7 @@ from app.registry import (
     ArtifactRecord,
     AuditEntry,
     Registry,
-    Target,
+    TargetRecord,
     open_registry,
 )
 
@@ -111,7 +111,7 @@ def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> Non
     )  # fmt: skip
 
 
-def _show_targets(session: _Session, targets: Sequence[Target]) -> None:
+def _show_targets(session: _Session, targets: Sequence[TargetRecord]) -> None:
     if session.as_json:
         _print_json([t.to_dict() for t in targets])
         return

@@ -1,9 +1,11 @@
 """Changing live Serve settings through the declarative config, over the dashboard REST API.
 
 Serve applies a config whose only changes are ``user_config`` or ``num_replicas`` in place:
-``reconfigure()`` on the same replicas, or replicas added/removed; nothing restarts
-(RAY_FACTS.md). The PUT replaces the whole declarative config, so every change is a
-read-modify-write of what is deployed now, and a change that alters nothing is not sent.
+``reconfigure()`` on the same replicas, or replicas added/removed; nothing restarts. The PUT
+replaces the whole declarative config, so every change is a read-modify-write of what is
+deployed now, and a change that alters nothing is not sent. The rollout controller goes
+through ``rollout.serve_port``, which reads and writes the cohorts in as few requests as that
+allows; this module is the HTTP client under it (and the tests' and benchmarks' tool).
 
 Ray 2.60 turns on token auth: the dashboard answers 401 without ``Authorization: Bearer``.
 The token comes from ``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -22,6 +23,7 @@ from typing import Any, Final
 import httpx
 
 from app.errors import RolloutSystemError
+from app.polling import WaitTimeout, wait_until
 
 APPLICATIONS_PATH: Final = "/api/serve/applications/"
 # The parts of the running HTTP options that a declarative config may carry back.
@@ -148,7 +150,7 @@ class ServeControl:
         """Set one deployment's ``user_config`` (replaced whole) and/or ``num_replicas``."""
 
         def mutate(config: dict[str, Any]) -> None:
-            entry = _deployment_entry(config, app, deployment)
+            entry = deployment_entry(config, app, deployment)
             if user_config is not None:
                 entry["user_config"] = copy.deepcopy(dict(user_config))
             if num_replicas is not None:
@@ -164,8 +166,8 @@ class ServeControl:
         user_config entirely, so a partial one would drop fields the replicas need."""
         details = self.details()
         config = self.declarative_config(details)
-        entry = _deployment_entry(config, app, deployment, create=False)
-        return _effective_user_config(details, entry, app, deployment)
+        entry = deployment_entry(config, app, deployment, create=False)
+        return effective_user_config(details, entry, app, deployment)
 
     def update_user_configs(
         self, app: str, changes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]]
@@ -176,9 +178,9 @@ class ServeControl:
         current = self.declarative_config(details)
         wanted = copy.deepcopy(current)
         for deployment, change in changes.items():
-            entry = _deployment_entry(wanted, app, deployment)
+            entry = deployment_entry(wanted, app, deployment)
             assert entry is not None
-            base = _effective_user_config(details, entry, app, deployment) or {}
+            base = effective_user_config(details, entry, app, deployment) or {}
             entry["user_config"] = change(base)
         if wanted == current:
             return False
@@ -202,30 +204,37 @@ class ServeControl:
         timeout_s: float = 60.0,
         poll_s: float = 0.2,
     ) -> dict[str, Any]:
-        """Wait until the deployment is HEALTHY with the given settings on every replica."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer yet"
-        while time.monotonic() < deadline:
+        """Wait until the deployment is HEALTHY with the given settings on every replica;
+        ServeControlError naming what is still pending after ``timeout_s``."""
+        last = ["no answer yet"]
+
+        def applied() -> dict[str, Any] | None:
             try:
                 status = self.deployment_status(app, deployment)
             except ServeControlError as exc:
-                last = str(exc)
-            else:
-                cfg = status.get("deployment_config") or {}
-                running = [r for r in status.get("replicas") or [] if r.get("state") == "RUNNING"]
-                target = status.get("target_num_replicas")
-                checks = {
-                    "healthy": status.get("status") == "HEALTHY",
-                    "user_config": user_config is None or cfg.get("user_config") == user_config,
-                    "replicas": num_replicas is None
-                    or (target == num_replicas and len(running) == num_replicas),
-                }
-                if all(checks.values()):
-                    return status
-                pending = [name for name, ok in checks.items() if not ok]
-                last = f"status={status.get('status')} pending={pending}"
-            time.sleep(poll_s)
-        raise ServeControlError(f"{app}/{deployment} not applied within {timeout_s:.0f}s: {last}")
+                last[0] = str(exc)
+                return None
+            cfg = status.get("deployment_config") or {}
+            running = [r for r in status.get("replicas") or [] if r.get("state") == "RUNNING"]
+            target = status.get("target_num_replicas")
+            checks = {
+                "healthy": status.get("status") == "HEALTHY",
+                "user_config": user_config is None or cfg.get("user_config") == user_config,
+                "replicas": num_replicas is None
+                or (target == num_replicas and len(running) == num_replicas),
+            }
+            if all(checks.values()):
+                return status
+            pending = [name for name, ok in checks.items() if not ok]
+            last[0] = f"status={status.get('status')} pending={pending}"
+            return None
+
+        try:
+            return wait_until(applied, timeout_s, f"{app}/{deployment} applied", every=poll_s)
+        except WaitTimeout:
+            raise ServeControlError(
+                f"{app}/{deployment} not applied within {timeout_s:.0f}s: {last[0]}"
+            ) from None
 
     @staticmethod
     def _raise_for_status(response: httpx.Response, doing: str) -> None:
@@ -244,9 +253,11 @@ class ServeControl:
             )
 
 
-def _effective_user_config(
+def effective_user_config(
     details: Mapping[str, Any], entry: Mapping[str, Any] | None, app: str, deployment: str
 ) -> dict[str, Any] | None:
+    """The deployment's user_config as last asked for: the declarative ``entry``'s override if
+    it has one, else what Serve reports the deployment runs with (the builder's)."""
     if entry is not None and entry.get("user_config") is not None:
         return copy.deepcopy(entry["user_config"])
     live = (((details.get("applications") or {}).get(app) or {}).get("deployments") or {}).get(
@@ -256,9 +267,11 @@ def _effective_user_config(
     return copy.deepcopy(user_config) if user_config is not None else None
 
 
-def _deployment_entry(
+def deployment_entry(
     config: dict[str, Any], app: str, deployment: str, *, create: bool = True
 ) -> dict[str, Any] | None:
+    """The deployment's entry in a declarative ``config`` (added when absent if ``create``,
+    else None); ServeControlError when the config has no such application."""
     for application in config.get("applications", []):
         if application.get("name") == app:
             deployments = application.setdefault("deployments", [])

@@ -13,18 +13,11 @@ from typing import Any, Final
 
 from app.contracts import BASIS_POINTS
 from app.contracts import RolloutPhase as Phase
-from app.errors import RolloutSystemError
 from rollout.analysis import Outcome
 from rollout.plan import RolloutPlan
 
 STATE_SCHEMA_VERSION: Final = 1
 VERDICT_HISTORY: Final = 20  # verdicts kept in the state; the audit log keeps them all
-
-
-class RolloutInProgress(RolloutSystemError):
-    """A model already has a rollout that has not finished; a second one is refused."""
-
-    category = "rollout.in_progress"
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from app.registry.base import (
     ArtifactRecord,
     AuditEntry,
     Registry,
-    ReplicaReport,
+    ReplicaReportRecord,
     RolloutRecord,
-    Target,
+    TargetRecord,
     check_observed,
 )
 from app.registry.factory import DEFAULT_REGISTRY_URL, default_registry_url, open_registry
@@ -22,9 +22,9 @@ __all__ = [
     "ArtifactRecord",
     "AuditEntry",
     "Registry",
-    "ReplicaReport",
+    "ReplicaReportRecord",
     "RolloutRecord",
-    "Target",
+    "TargetRecord",
     "check_observed",
     "default_registry_url",
     "open_registry",

@@ -19,7 +19,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import datetime, timedelta
+from datetime import datetime
 from importlib import resources
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
@@ -32,9 +32,9 @@ from app.registry.base import (
     ArtifactRecord,
     ArtifactState,
     AuditEntry,
-    ReplicaReport,
+    ReplicaReportRecord,
     RolloutRecord,
-    Target,
+    TargetRecord,
     check_observed,
     utc_now,
 )
@@ -202,8 +202,8 @@ class SqlRegistry(ABC):
             state_reason=row["state_reason"],
         )
 
-    def _target(self, row: Row) -> Target:
-        return Target(
+    def _target(self, row: Row) -> TargetRecord:
+        return TargetRecord(
             model=row["model"],
             environment=row["environment"],
             cohort=row["cohort"],
@@ -251,11 +251,11 @@ class SqlRegistry(ABC):
             finished_at=self._optional_ts(row["finished_at"]),
         )
 
-    def _replica(self, row: Row) -> ReplicaReport:
+    def _replica(self, row: Row) -> ReplicaReportRecord:
         def opt_int(value: Any) -> int | None:
             return None if value is None else int(value)
 
-        return ReplicaReport(
+        return ReplicaReportRecord(
             replica_id=row["replica_id"],
             model=row["model"],
             environment=row["environment"],
@@ -406,7 +406,7 @@ class SqlRegistry(ABC):
 
     # ---- targets -------------------------------------------------------------------------
 
-    def _target_in(self, tx: Tx, model: str, env: str, cohort: str) -> Target | None:
+    def _target_in(self, tx: Tx, model: str, env: str, cohort: str) -> TargetRecord | None:
         row = tx.one(
             _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ? AND t.cohort = ?",
             (model, env, cohort),
@@ -414,8 +414,8 @@ class SqlRegistry(ABC):
         return None if row is None else self._target(row)
 
     def get_target(
-        self, model: str, env: str, cohort: str, *, observed: Target | None = None
-    ) -> Target:
+        self, model: str, env: str, cohort: str, *, observed: TargetRecord | None = None
+    ) -> TargetRecord:
         _require_cohort(cohort)
         with self._transaction(write=False) as tx:
             target = self._target_in(tx, model, env, cohort)
@@ -426,7 +426,7 @@ class SqlRegistry(ABC):
         check_observed(observed, target)
         return target
 
-    def list_targets(self, model: str, env: str) -> list[Target]:
+    def list_targets(self, model: str, env: str) -> list[TargetRecord]:
         with self._transaction(write=False) as tx:
             rows = tx.all(
                 _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ?"
@@ -446,7 +446,7 @@ class SqlRegistry(ABC):
         actor: str,
         reason: str,
         approval: str | None = None,
-    ) -> Target:
+    ) -> TargetRecord:
         _require_cohort(cohort)
         if expected_revision < 0:
             raise ValueError(f"expected_revision must be >= 0, got {expected_revision}")
@@ -455,7 +455,7 @@ class SqlRegistry(ABC):
         key = _key(model, env, cohort)
         now = self._ts_param(self._clock())
 
-        def conflict(current: Target | None) -> RevisionConflict:
+        def conflict(current: TargetRecord | None) -> RevisionConflict:
             now_at = "none" if current is None else str(current.revision)
             return RevisionConflict(
                 f"{key}: expected revision {expected_revision}, current revision is {now_at}",
@@ -529,7 +529,7 @@ class SqlRegistry(ABC):
                     now,
                 ),
             )
-            return Target(
+            return TargetRecord(
                 model=model,
                 environment=env,
                 cohort=cohort,
@@ -723,7 +723,7 @@ class SqlRegistry(ABC):
 
     # ---- replica reports -----------------------------------------------------------------
 
-    def upsert_replica_report(self, report: ReplicaReport) -> None:
+    def upsert_replica_report(self, report: ReplicaReportRecord) -> None:
         _require_cohort(report.cohort)
         heartbeat = _require_aware(report.heartbeat_at, "heartbeat_at")
         with self._transaction(write=True) as tx:
@@ -762,7 +762,7 @@ class SqlRegistry(ABC):
 
     def list_replica_reports(
         self, model: str, env: str, *, cohort: str | None = None
-    ) -> list[ReplicaReport]:
+    ) -> list[ReplicaReportRecord]:
         sql = "SELECT * FROM replica_report WHERE model = ? AND environment = ?"
         params: list[Any] = [model, env]
         if cohort is not None:
@@ -772,19 +772,3 @@ class SqlRegistry(ABC):
         with self._transaction(write=False) as tx:
             rows = tx.all(sql + " ORDER BY replica_id", params)
         return [self._replica(r) for r in rows]
-
-    def list_stale_replicas(
-        self, model: str, env: str, *, older_than_s: float, now: datetime
-    ) -> list[ReplicaReport]:
-        cutoff = _require_aware(now, "now") - timedelta(seconds=older_than_s)
-        with self._transaction(write=False) as tx:
-            rows = tx.all(
-                "SELECT * FROM replica_report WHERE model = ? AND environment = ? "
-                "AND heartbeat_at < ? ORDER BY heartbeat_at, replica_id",
-                (model, env, self._ts_param(cutoff)),
-            )
-        return [self._replica(r) for r in rows]
-
-    def delete_replica_report(self, replica_id: str) -> bool:
-        with self._transaction(write=True) as tx:
-            return tx.run("DELETE FROM replica_report WHERE replica_id = ?", (replica_id,)) > 0

@@ -1,7 +1,7 @@
 """The model registry's interface: records, the ``Registry`` protocol, and the rules that do
 not depend on a database.
 
-Two ideas carry the design (seeds/000 sections 3.2, 3.3, 7):
+Two ideas carry the design:
 
 - An *artifact* (model + artifact_id, pinned by its manifest's SHA-256) is immutable content.
   A *target* is a publishing intent per (model, environment, cohort) with a revision that only
@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Final, Literal, Protocol, Self
 
+from app.contracts import PublishedTarget, Target
 from app.errors import ConsistencyError
 
 ArtifactState = Literal["pending", "ready", "rejected"]
@@ -67,7 +68,7 @@ class ArtifactRecord(_Record):
 
 
 @dataclass(frozen=True)
-class Target(_Record):
+class TargetRecord(_Record):
     """What one cohort should serve: everything a replica needs to fetch and verify it."""
 
     model: str
@@ -79,6 +80,20 @@ class Target(_Record):
     manifest_sha256: str
     feature_schema: str
     updated_at: datetime
+
+    def published(self) -> PublishedTarget:
+        """The record as the controller shows it (``rollout status``)."""
+        return PublishedTarget.model_validate(self.to_dict())
+
+    def target(self) -> Target:
+        """What a replica of the cohort is given in its user_config."""
+        return Target(
+            revision=self.revision,
+            artifact_id=self.artifact_id,
+            manifest_uri=self.manifest_uri,
+            manifest_sha256=self.manifest_sha256,
+            feature_schema=self.feature_schema,
+        )
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ class RolloutRecord(_Record):
 
 
 @dataclass(frozen=True)
-class ReplicaReport(_Record):
+class ReplicaReportRecord(_Record):
     """What one replica says about itself; upserted by ``replica_id``."""
 
     replica_id: str
@@ -142,7 +157,7 @@ class ReplicaReport(_Record):
     timings: dict[str, float] = field(default_factory=dict)  # download/verify/load/dry_run/...
 
 
-def check_observed(observed: Target | None, current: Target) -> None:
+def check_observed(observed: TargetRecord | None, current: TargetRecord) -> None:
     """Refuse a target that contradicts one observed before for the same cohort.
 
     The same revision with a different artifact, or a revision that went backwards, means
@@ -213,13 +228,13 @@ class Registry(Protocol):
 
     # Targets
     def get_target(
-        self, model: str, env: str, cohort: str, *, observed: Target | None = None
-    ) -> Target:
+        self, model: str, env: str, cohort: str, *, observed: TargetRecord | None = None
+    ) -> TargetRecord:
         """The cohort's current target (NotFound if none). With ``observed``, also
         :func:`check_observed` against it."""
         ...
 
-    def list_targets(self, model: str, env: str) -> list[Target]:
+    def list_targets(self, model: str, env: str) -> list[TargetRecord]:
         """Stable first, then canary; cohorts without a target are absent."""
         ...
 
@@ -234,7 +249,7 @@ class Registry(Protocol):
         actor: str,
         reason: str,
         approval: str | None = None,
-    ) -> Target:
+    ) -> TargetRecord:
         """Compare-and-set the cohort's target to ``artifact_id`` at expected_revision + 1.
 
         expected_revision 0 creates the first target (revision 1). The artifact must be
@@ -293,19 +308,11 @@ class Registry(Protocol):
         ...
 
     # Replica reports
-    def upsert_replica_report(self, report: ReplicaReport) -> None: ...
+    def upsert_replica_report(self, report: ReplicaReportRecord) -> None: ...
 
     def list_replica_reports(
         self, model: str, env: str, *, cohort: str | None = None
-    ) -> list[ReplicaReport]: ...
-
-    def list_stale_replicas(
-        self, model: str, env: str, *, older_than_s: float, now: datetime
-    ) -> list[ReplicaReport]:
-        """Reports whose heartbeat is more than ``older_than_s`` seconds before ``now``."""
-        ...
-
-    def delete_replica_report(self, replica_id: str) -> bool: ...
+    ) -> list[ReplicaReportRecord]: ...
 
     def close(self) -> None: ...
 

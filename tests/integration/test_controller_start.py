@@ -1,6 +1,8 @@
-"""What the controller refuses before it touches Serve: a rollout that cannot be right.
+"""What the controller refuses before it touches Serve: a rollout that cannot be right; and how
+it holds a rollout while Serve is out of reach.
 
-Real SQLite registry; the engine is never ticked, so no cluster is needed."""
+Real SQLite registry; Serve is the in-memory port of tests/unit/fakes.py, so no cluster is
+needed."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from app.contracts import ControllerSettings
 from app.errors import InvalidState, NotFound
 from app.registry import open_registry
-from rollout.controller import ControllerSettings, RolloutEngine
-from rollout.local_cluster import free_port
+from rollout.engine import RolloutEngine
 from rollout.plan import RolloutPlan
-from tests.dashboard_stub import answering_dashboard
+from rollout.serve_control import ServeControlError, ServeUnreachable
 from tests.integration.manifests import write_manifest
+from tests.unit.fakes import FakeServe, FakeWindows
 
 
 @pytest.fixture
@@ -54,9 +57,9 @@ def test_one_rollout_at_a_time(engine):
     eng, registry = engine
     registry.publish("ranker", "default", "stable", "ranker-v41", 0, actor="t", reason="init")
     summary = eng.start_rollout("ranker-v42", RolloutPlan())
-    assert summary["phase"] == "pending" and summary["rollout"].startswith("ranker-v42-")
+    assert summary.phase == "pending" and summary.rollout.startswith("ranker-v42-")
     record = registry.get_active_rollout("ranker", "default")
-    assert record is not None and record.id == summary["rollout"]
+    assert record is not None and record.id == summary.rollout
     with pytest.raises(InvalidState, match="still pending"):
         eng.start_rollout("ranker-v42", RolloutPlan())
     # A second controller process (e.g. after a restart) is refused by the registry itself.
@@ -64,7 +67,7 @@ def test_one_rollout_at_a_time(engine):
     with pytest.raises(InvalidState):
         other.start_rollout("ranker-v42", RolloutPlan())
     # And it resumes the rollout the first one created.
-    assert other.resume() == summary["rollout"]
+    assert other.resume() == summary.rollout
 
 
 @pytest.fixture
@@ -81,56 +84,54 @@ def published(tmp_path: Path):
     registry.close()
 
 
+def unreachable() -> ServeUnreachable:
+    return ServeUnreachable("dashboard could not read the Serve config (503): stand-in")
+
+
 def test_an_outage_holds_the_rollout_and_its_deadlines(published):
     """Serve out of reach (5xx) holds the rollout; the first tick that gets through moves its
-    deadlines on by the time held. Real SQLite registry, real HTTP to a stand-in dashboard."""
+    deadlines on by the time held."""
     url, registry = published
     clock = [1000.0]
-    with answering_dashboard() as (dashboard_url, answers):
-        settings = ControllerSettings(
-            registry_url=url,
-            dashboard_url=dashboard_url,
-            metrics_endpoints=(
-                f"http://127.0.0.1:{free_port()}/metrics",
-            ),  # nothing there: no window
-        )
-        engine = RolloutEngine(settings, registry=registry, clock=lambda: clock[0])
-        engine.start_rollout("ranker-v42", RolloutPlan())
-        entered = engine._live.state.phase_entered_at
+    serve = FakeServe()
+    settings = ControllerSettings(registry_url=url, dashboard_url="http://127.0.0.1:9")
+    engine = RolloutEngine(
+        settings, registry=registry, serve=serve, windows=FakeWindows(), clock=lambda: clock[0]
+    )
+    engine.start_rollout("ranker-v42", RolloutPlan())
+    assert engine.live is not None
+    entered = engine.live.state.phase_entered_at
 
-        answers.append(503)
-        summary = engine.tick()
-        assert summary["held"]["since"] == 1000.0
-        assert "Serve" in summary["held"]["reason"] and "503" in summary["held"]["reason"]
-        assert any(a.startswith("warning: rollout ") and "held" in a for a in engine.alerts)
+    serve.read_errors.append(unreachable())
+    summary = engine.tick()
+    assert summary.held.since == 1000.0
+    assert "Serve" in summary.held.reason and "503" in summary.held.reason
+    assert any(a.startswith("warning: rollout ") and "held" in a for a in engine.alerts)
 
-        clock[0] = 1100.0
-        answers.append(503)
-        assert engine.tick()["held"]["since"] == 1000.0  # the hold began at the first tick
-        assert engine._live.state.phase_entered_at == entered
+    clock[0] = 1100.0
+    serve.read_errors.append(unreachable())
+    assert engine.tick().held.since == 1000.0  # the hold began at the first tick
+    assert engine.live.state.phase_entered_at == entered
 
-        # Serve answers again (with no application: the actions then fail, unreachable).
-        clock[0] = 1250.0
-        answers.append((200, {"applications": {}}))
-        engine.tick()
-        assert engine._live.state.phase_entered_at == entered + 250.0
-        events = [e["event"] for e in engine._live.events]
-        assert events[:3] == ["created", "held", "resumed"], events
-        # Its first action found Serve gone again: a new hold, from this tick.
-        assert events[-1] == "held" and engine.tick()["held"]["since"] == 1250.0
+    # Serve answers again, but its first write finds it gone again.
+    clock[0] = 1250.0
+    serve.write_errors.append(unreachable())
+    engine.tick()
+    assert engine.live.state.phase_entered_at == entered + 250.0
+    events = [e.event for e in engine.live.events]
+    assert events[:3] == ["created", "held", "resumed"], events
+    # Its first action found Serve gone again: a new hold, from this tick.
+    serve.read_errors.append(unreachable())
+    assert events[-1] == "held" and engine.tick().held.since == 1250.0
 
 
 def test_a_refusal_alone_does_not_hold(published):
     url, registry = published
-    with answering_dashboard() as (dashboard_url, answers):
-        settings = ControllerSettings(
-            registry_url=url,
-            dashboard_url=dashboard_url,
-            metrics_endpoints=(f"http://127.0.0.1:{free_port()}/metrics",),
-        )
-        engine = RolloutEngine(settings, registry=registry)
-        engine.start_rollout("ranker-v42", RolloutPlan())
-        answers.append(401)
-        summary = engine.tick()
-        assert summary["held"] is None
-        assert any("(401)" in e for e in engine.errors)
+    serve = FakeServe()
+    settings = ControllerSettings(registry_url=url, dashboard_url="http://127.0.0.1:9")
+    engine = RolloutEngine(settings, registry=registry, serve=serve, windows=FakeWindows())
+    engine.start_rollout("ranker-v42", RolloutPlan())
+    serve.read_errors.append(ServeControlError("dashboard refused to read the config (401): x"))
+    summary = engine.tick()
+    assert summary.held is None
+    assert any("(401)" in e for e in engine.errors)

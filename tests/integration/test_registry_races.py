@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from app.errors import RevisionConflict
-from app.registry import Registry, Target
+from app.registry import Registry, TargetRecord
 from tests.integration.backends import Backend
 from tests.integration.registry_race_worker import publish_after_barrier
 
@@ -20,11 +20,11 @@ MODEL, ENV, COHORT = "ranker", "default", "stable"
 THREADS = 8
 
 
-def _race(registry: Registry, n: int, expected: int) -> list[Target | RevisionConflict]:
+def _race(registry: Registry, n: int, expected: int) -> list[TargetRecord | RevisionConflict]:
     """n threads, released together, each publishing on ``expected``."""
     barrier = threading.Barrier(n)
 
-    def attempt(i: int) -> Target | RevisionConflict:
+    def attempt(i: int) -> TargetRecord | RevisionConflict:
         barrier.wait(timeout=30)
         try:
             return registry.publish(
@@ -44,7 +44,7 @@ def test_racing_first_publishers_create_one_target(
 
     outcomes = _race(registry, THREADS, expected=0)
 
-    wins = [o for o in outcomes if isinstance(o, Target)]
+    wins = [o for o in outcomes if isinstance(o, TargetRecord)]
     conflicts = [o for o in outcomes if isinstance(o, RevisionConflict)]
     assert len(wins) == 1, outcomes
     assert len(conflicts) == THREADS - 1, outcomes
@@ -61,7 +61,7 @@ def test_racing_publishers_on_one_revision_have_exactly_one_winner(
 
     outcomes = _race(registry, THREADS, expected=1)
 
-    wins = [o for o in outcomes if isinstance(o, Target)]
+    wins = [o for o in outcomes if isinstance(o, TargetRecord)]
     assert len(wins) == 1, outcomes
     assert wins[0].revision == 2
     assert all(o.current == wins[0] for o in outcomes if isinstance(o, RevisionConflict))

@@ -1,10 +1,13 @@
-"""The human view of ``rollout status``: what an operator reads when something is down."""
+"""The human view of ``rollout status``: what an operator reads when something is down. The
+CLI validates the controller's answer into ``ControllerStatus`` (or a command's answer into
+its summary) and renders that."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollout.cli import render_status
+from app.contracts import CommandAccepted, ControllerStatus
+from rollout.status_view import render_status
 
 
 def view(**changes: Any) -> dict[str, Any]:
@@ -25,8 +28,12 @@ def view(**changes: Any) -> dict[str, Any]:
     return {**base, **changes}
 
 
+def render(answer: dict[str, Any]) -> str:
+    return render_status(ControllerStatus.model_validate(answer))
+
+
 def test_a_held_rollout_says_so_with_since_and_why() -> None:
-    text = render_status(
+    text = render(
         view(
             held={"since": 1_764_400_000.0, "reason": "registry unavailable: connection refused"},
             alerts=["warning: rollout ranker-v42-abc123 held: registry unavailable"],
@@ -43,5 +50,111 @@ def test_a_held_rollout_says_so_with_since_and_why() -> None:
 
 
 def test_a_rollout_that_is_not_held_has_no_held_line() -> None:
-    assert "HELD" not in render_status(view())
-    assert render_status({"rollout": None}) == "no rollout in progress"
+    assert "HELD" not in render(view())
+    assert render({"rollout": None}) == "no rollout in progress"
+
+
+def target(cohort: str, artifact_id: str, revision: int) -> dict[str, Any]:
+    return {
+        "model": "ranker",
+        "environment": "default",
+        "cohort": cohort,
+        "revision": revision,
+        "artifact_id": artifact_id,
+        "manifest_uri": f"file:///artifacts/{artifact_id}/manifest.json",
+        "manifest_sha256": "a" * 64,
+        "feature_schema": "ranker-features-v3",
+        "updated_at": "2030-01-01T00:00:00+00:00",
+    }
+
+
+def replica(name: str, cohort: str | None, phase: str, actual: str | None, rev: int | None):
+    return {
+        "replica": name,
+        "cohort": cohort,
+        "phase": phase,
+        "desired": actual,
+        "actual": actual,
+        "actual_revision": rev,
+        "error": "load: shape mismatch" if phase == "failed" else None,
+        "age_s": 0.4,
+    }
+
+
+def test_everything_the_status_shows() -> None:
+    answer = view(
+        phase="paused",
+        step=0,
+        step_percent=20.0,
+        weights={"stable_bp": 8000, "canary_bp": 2000},
+        failed_checks=1,
+        pending_gate="step:1",
+        verdicts=[{"step": 0, "outcome": "fail", "reasons": ["canary p99 300.0 ms", "x"]}],
+        events=[
+            {"key": None, "event": "created", "message": "rollout of ranker-v42", "at": 1.0},
+            {"key": "r/1", "event": "started", "message": "rolling out", "at": 2.0},
+            {
+                "key": None,
+                "event": "weights",
+                "message": "canary 20%",
+                "at": 3.0,
+                "canary_bp": 2000,
+            },
+        ],
+        targets=[target("stable", "ranker-v41", 1), target("canary", "ranker-v42", 2)],
+        replicas=[
+            replica("canary-abcdefghijklmn", "canary", "ready", "ranker-v42", 2),
+            replica("s1", "stable", "failed", "ranker-v41", 1),
+            replica("u1", None, "idle", None, None),
+        ],
+        last_window={
+            "start": 100.0,
+            "end": 120.5,
+            "canary": {
+                "requests": 100,
+                "rps": 4.9,
+                "error_rate": 0.05,
+                "p50_ms": 10.0,
+                "p99_ms": 40.25,
+            },
+            "stable": {
+                "requests": 300,
+                "rps": 14.6,
+                "error_rate": 0.0,
+                "p50_ms": None,
+                "p99_ms": None,
+            },
+        },
+        alerts=["warning: held"],
+    )
+    assert render(answer).splitlines() == [
+        "rollout ranker-v42-abc123: paused step 1/3 (20.0%)  candidate ranker-v42 over ranker-v41",
+        "weights: stable 80% canary 20%   failed checks 1   gate step:1",
+        "last window (20s): stable 14.6/s err 0.00% p99 - | canary 4.9/s err 5.00% p99 40.2ms",
+        "  verdict step 1: fail: canary p99 300.0 ms; x",
+        "target stable: ranker-v41 (revision 1)",
+        "target canary: ranker-v42 (revision 2)",
+        "replica      cohort  phase    actual          rev  error",
+        "canary-abcde canary  ready    ranker-v42        2  ",
+        "s1           stable  failed   ranker-v41        1  load: shape mismatch",
+        "u1           None    idle     None           None  ",
+        "  event created: rollout of ranker-v42",
+        "  event started: rolling out",
+        "  event weights: canary 20%",
+        "  ALERT warning: held",
+    ]
+    # A command's answer is the summary alone: no window, targets, replicas or alerts.
+    summary = {
+        k: v
+        for k, v in answer.items()
+        if k not in ("targets", "replicas", "last_window", "alerts", "errors")
+    }
+    text = render_status(CommandAccepted.model_validate({**summary, "queued": "abort"}))
+    assert text.splitlines() == [
+        "rollout ranker-v42-abc123: paused step 1/3 (20.0%)  candidate ranker-v42 over ranker-v41",
+        "weights: stable 80% canary 20%   failed checks 1   gate step:1",
+        "  verdict step 1: fail: canary p99 300.0 ms; x",
+        "  event created: rollout of ranker-v42",
+        "  event started: rolling out",
+        "  event weights: canary 20%",
+    ]

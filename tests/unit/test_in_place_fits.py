@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from rollout.controller import in_place_fits
+from app.contracts import Capacity, InstanceReport, MemoryFigures, ReplicaPhase
+from rollout.reports import in_place_fits
 
 MiB = 1 << 20
 V42 = "ranker-v42"
 
 
-def report(artifact: str | None, **memory: int | None) -> dict[str, Any]:
-    return {"actual_artifact": artifact, "capacity": {"device": "cpu", "memory": memory}}
+def report(artifact: str | None, **memory: int | None) -> InstanceReport:
+    return InstanceReport(
+        replica_id="r",
+        cohort="canary",
+        pid=1,
+        phase=ReplicaPhase.READY,
+        actual_artifact=artifact,
+        capacity=Capacity(device="cpu", memory=MemoryFigures(**memory)),
+        heartbeat=1.0,
+        seq=0,
+    )
 
 
 def test_fits_when_every_stable_replica_has_room_for_the_candidates_load() -> None:
@@ -50,4 +58,4 @@ def test_unknown_figures_say_unknown() -> None:
     unknown = [report("ranker-v41", resident_bytes=100 * MiB, capacity_bytes=None)]
     assert in_place_fits(canary, unknown, V42) is None
     assert in_place_fits(canary, [], V42) is None
-    assert in_place_fits(canary, [{"actual_artifact": "ranker-v41"}], V42) is None
+    assert in_place_fits(canary, [report("ranker-v41")], V42) is None  # no figures at all

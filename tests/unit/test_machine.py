@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from app.contracts import ReplicaPhase
 from rollout.analysis import CohortStats, Outcome, WindowStats
 from rollout.machine import (
     Abort,
@@ -26,8 +27,7 @@ from rollout.machine import (
     PoolView,
     Promote,
     RecordAudit,
-    ReplicaReport,
-    ReplicaState,
+    ReplicaObservation,
     Resume,
     Rollback,
     ScaleCanary,
@@ -37,10 +37,9 @@ from rollout.machine import (
     advance,
     held,
     next_window,
-    refuse_if_active,
 )
 from rollout.plan import RolloutPlan
-from rollout.state import Phase, RolloutInProgress, RolloutState, Weights
+from rollout.state import Phase, RolloutState, Weights
 
 V41, V42 = "ranker-v41", "ranker-v42"
 
@@ -68,19 +67,22 @@ def weights(canary_percent: float) -> SetWeights:
 # ---- observations -----------------------------------------------------------------------
 
 
-def pool(*reports: ReplicaReport, expected: int | None = None) -> PoolView:
+def pool(*reports: ReplicaObservation, expected: int | None = None) -> PoolView:
     return PoolView(reports, len(reports) if expected is None else expected)
 
 
 def ready(artifact: str, n: int, prefix: str = "r") -> PoolView:
     return pool(
-        *(ReplicaReport(f"{prefix}{i}", artifact, artifact, ReplicaState.READY) for i in range(n))
+        *(
+            ReplicaObservation(f"{prefix}{i}", artifact, artifact, ReplicaPhase.READY)
+            for i in range(n)
+        )
     )
 
 
 def loading(artifact: str, n: int, serving: str | None = None) -> PoolView:
     return pool(
-        *(ReplicaReport(f"r{i}", artifact, serving, ReplicaState.LOADING) for i in range(n))
+        *(ReplicaObservation(f"r{i}", artifact, serving, ReplicaPhase.LOADING) for i in range(n))
     )
 
 
@@ -550,7 +552,7 @@ def test_a_hold_does_not_save_a_rollout_already_past_its_deadline() -> None:
 
 
 def test_failed_checks_below_threshold_hold_and_a_pass_resets_them() -> None:
-    # Semantics: threshold counts CONSECUTIVE failed windows (seeds/002); a pass resets the
+    # Semantics: threshold counts CONSECUTIVE failed windows; a pass resets the
     # count and completes the step, an inconclusive window leaves the count alone.
     d = Driver.start()
     t = drive_to_step(d, 0)  # 5%, confirmed at t=25
@@ -684,8 +686,8 @@ def test_candidate_load_failure_while_preparing_fails_the_rollout() -> None:
     d = Driver.start()
     d.tick(0, router_weights=STABLE_ONLY)
     broken = pool(
-        ReplicaReport("r0", V42, None, ReplicaState.FAILED, "dry_run: NaN in output"),
-        ReplicaReport("r1", V42, None, ReplicaState.LOADING),
+        ReplicaObservation("r0", V42, None, ReplicaPhase.FAILED, "dry_run: NaN in output"),
+        ReplicaObservation("r1", V42, None, ReplicaPhase.LOADING),
     )
     # The router never sent the canary anything, so cleanup happens in the same tick.
     acts = d.tick(30, canary=broken, router_weights=STABLE_ONLY)
@@ -703,6 +705,18 @@ def test_candidate_load_failure_while_preparing_fails_the_rollout() -> None:
         STABLE_ONLY,
     )
     assert d.state.finished
+
+
+def test_a_canary_replica_in_backoff_is_neither_ready_nor_failed() -> None:
+    # Backoff: a transient failure, retried later. The rollout waits for it as for a load.
+    d = Driver.start()
+    d.tick(0, router_weights=STABLE_ONLY)
+    retrying = pool(ReplicaObservation("r0", V42, None, ReplicaPhase.BACKOFF, "timeout"))
+    assert retrying.ready_on(V42) == 0 and retrying.failures_on(V42) == []
+    acts = d.tick(30, canary=retrying, router_weights=STABLE_ONLY)
+    d.expect(acts, [], Phase.PREPARING, STABLE_ONLY)
+    acts = d.tick(60, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    assert Audit("canary_ready") in acts and d.state.phase is Phase.PROGRESSING
 
 
 def test_preparing_waits_for_every_canary_replica_then_the_deadline_fails() -> None:
@@ -824,7 +838,9 @@ def test_stable_rejecting_the_candidate_fails_the_promotion() -> None:
         window=window(t, t + 60),
         in_place_fits=True,
     )
-    rejected = pool(ReplicaReport("s0", V42, V41, ReplicaState.FAILED, "budget: 9 GiB > 8 GiB"))
+    rejected = pool(
+        ReplicaObservation("s0", V42, V41, ReplicaPhase.FAILED, "budget: 9 GiB > 8 GiB")
+    )
     acts = d.tick(t + 70, canary=ready(V42, 2), stable=rejected, router_weights=w(50))
     d.expect(
         acts,
@@ -842,7 +858,7 @@ def test_stable_rejecting_the_candidate_fails_the_promotion() -> None:
 def test_a_canary_replica_failing_mid_rollout_rolls_back() -> None:
     d = Driver.start()
     t = drive_to_step(d, 1)
-    sick = pool(ReplicaReport("r0", V42, V42, ReplicaState.FAILED, "load: shape mismatch"))
+    sick = pool(ReplicaObservation("r0", V42, V42, ReplicaPhase.FAILED, "load: shape mismatch"))
     acts = d.tick(t + 5, canary=sick, router_weights=w(25))
     d.expect(
         acts,
@@ -885,17 +901,15 @@ def test_repeated_observations_do_not_act_twice() -> None:
     assert acts_again == [] and again.failed_checks == 1
 
 
-def test_a_second_rollout_for_a_model_in_progress_is_refused() -> None:
+def test_a_rollout_is_active_until_its_cleanup_is_done() -> None:
+    # What the controller keys "one rollout per model at a time" on (the registry enforces
+    # the same rule itself).
     d = Driver.start()
     d.tick(0, router_weights=STABLE_ONLY)
-    other_model = Driver.start().state
-    other_model.model = "other"
-    with pytest.raises(RolloutInProgress, match="ro-1"):
-        refuse_if_active([other_model, d.state], "ranker")
-    refuse_if_active([d.state], "other")  # another model is not affected
+    assert d.state.is_active
     d.tick(5, router_weights=STABLE_ONLY, commands=(Abort(),))
     assert d.state.finished
-    refuse_if_active([d.state], "ranker")  # finished: a new rollout may start
+    assert not d.state.is_active  # finished: a new rollout may start
 
 
 def test_a_rollout_of_the_baseline_itself_is_refused() -> None:

@@ -13,11 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from app import telemetry
 from rollout.metrics import (
     REQUESTS_SERIES,
+    MetricsSnapshot,
     MetricsUnavailable,
+    PromQLSource,
     RayScrapeSource,
-    Snapshot,
+    SnapshotWindows,
     quantile_from_buckets,
     window_increase,
+    windows_for,
 )
 
 INF = math.inf
@@ -43,8 +46,8 @@ def key(name, **labels):
 
 def test_window_increase_handles_resets_new_and_vanished_series():
     a, b, c = key("x", replica="a"), key("x", replica="b"), key("x", replica="c")
-    before = Snapshot(0, {a: 100, b: 50, c: 7})
-    after = Snapshot(10, {a: 130, b: 4, key("x", replica="d"): 3})  # b restarted, c died
+    before = MetricsSnapshot(0, {a: 100, b: 50, c: 7})
+    after = MetricsSnapshot(10, {a: 130, b: 4, key("x", replica="d"): 3})  # b restarted, c died
     inc = window_increase(before, after)
     assert inc[a] == 30
     assert inc[b] == 4  # reset: the new process counted 4 since it started
@@ -109,17 +112,18 @@ def exporter():
 
 def test_scrape_source_reports_per_cohort_windows(exporter):
     clock = iter(range(0, 1000, 10))
-    source = RayScrapeSource(
-        lambda: [exporter.url], application="ranker", clock=lambda: next(clock)
+    windows = SnapshotWindows(
+        RayScrapeSource(lambda: [exporter.url], application="ranker", clock=lambda: next(clock))
     )
     exporter.serve("stable", 12, 500)  # before the first window: not counted
-    first = source.window()
-    assert first.canary is None and first.stable is None
+    windows.observe()  # t=0
+    assert windows.window_between(0, 0) is None  # one snapshot is no window yet
 
     exporter.serve("stable", 12, 190)
     exporter.serve("canary", 40, 95)
     exporter.serve("canary", 40, 5, outcome="error")
-    w = source.window()
+    windows.observe()  # t=10
+    w = windows.window_between(0, 10)
     assert (w.start, w.end) == (0, 10)
     assert w.stable.requests == 190 and w.stable.error_count == 0
     assert w.canary.requests == 100 and w.canary.errors == {"error": 5}
@@ -129,21 +133,51 @@ def test_scrape_source_reports_per_cohort_windows(exporter):
     # The router restarts: counters begin again at zero; the window still counts right.
     exporter.reset()
     exporter.serve("canary", 40, 7)
-    w = source.window()
+    windows.observe()  # t=20
+    w = windows.window_between(10, 20)
     assert w.canary.requests == 7
     assert w.stable is None  # no stable series moved... and none exists after the reset
+
+
+def test_a_window_starts_at_the_first_snapshot_taken_at_or_after_its_start(exporter):
+    clock = iter(range(0, 1000, 10))
+    windows = SnapshotWindows(
+        RayScrapeSource(lambda: [exporter.url], application="ranker", clock=lambda: next(clock))
+    )
+    for n in (10, 20, 30):  # snapshots at t=0, 10, 20; n requests served after each
+        windows.observe()
+        exporter.serve("canary", 5, n)
+    windows.observe()  # t=30
+    w = windows.window_between(5, 30)  # from the snapshot at t=10 to the one at t=30
+    assert (w.start, w.end) == (10, 30) and w.canary.requests == 20 + 30
+    assert windows.window_between(25, 40) is None  # one snapshot inside: no window
 
 
 def test_scrape_source_with_every_endpoint_down_is_unavailable_not_empty():
     source = RayScrapeSource(lambda: ["http://127.0.0.1:9/metrics"], timeout_s=0.5)
     with pytest.raises(MetricsUnavailable):
-        source.window()
+        source.snapshot()
+    with pytest.raises(MetricsUnavailable):
+        SnapshotWindows(source).observe()
 
 
 def test_series_of_other_applications_are_ignored(exporter):
-    source = RayScrapeSource(lambda: [exporter.url], application="other")
-    source.window()
+    clock = iter(range(0, 1000, 10))
+    windows = SnapshotWindows(
+        RayScrapeSource(lambda: [exporter.url], application="other", clock=lambda: next(clock))
+    )
+    windows.observe()
     exporter.serve("canary", 5, 10)
-    w = source.window()
+    windows.observe()
+    w = windows.window_between(0, 10)
     assert w.canary is None
     assert REQUESTS_SERIES.endswith("_total")
+
+
+def test_the_controller_uses_promql_when_a_server_is_named_else_scrapes():
+    assert isinstance(
+        windows_for(application="ranker", prometheus_url="http://p:9090"), PromQLSource
+    )
+    scraped = windows_for(application="ranker", endpoints=("http://127.0.0.1:9/metrics",))
+    assert isinstance(scraped, SnapshotWindows)
+    assert scraped.source.application == "ranker"

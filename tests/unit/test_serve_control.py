@@ -10,6 +10,7 @@ import pytest
 from rollout.local_cluster import free_port
 from rollout.serve_control import ServeControl, ServeControlError, ServeUnreachable
 from tests.dashboard_stub import answering_dashboard
+from tests.unit.fakes import FakeDashboard
 
 
 @pytest.fixture
@@ -55,3 +56,14 @@ def test_a_refusal_is_not_an_outage(dashboard, status: int) -> None:
         assert f"({status})" in str(info.value)
     finally:
         control.close()
+
+
+def test_wait_applied_returns_the_status_or_names_what_is_pending() -> None:
+    dashboard = FakeDashboard()
+    control = ServeControl("http://dashboard", token="t", transport=dashboard.transport)
+    status = control.wait_applied("ranker", "canary", num_replicas=1, timeout_s=1, poll_s=0.01)
+    assert status["target_num_replicas"] == 1
+    with pytest.raises(ServeControlError, match=r"not applied within 0s: .*pending=\['replicas'\]"):
+        control.wait_applied("ranker", "canary", num_replicas=2, timeout_s=0.05, poll_s=0.01)
+    with pytest.raises(ServeControlError, match="no deployment 'nope'"):
+        control.wait_applied("ranker", "nope", timeout_s=0.05, poll_s=0.01)

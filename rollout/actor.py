@@ -1,0 +1,167 @@
+"""The controller actor: one detached, named Ray actor per cluster around a ``RolloutEngine``.
+
+It ticks the engine on a background thread, answers the CLI, the demo and tests (every answer
+a ``wire`` dump of an ``app.contracts`` view, so the callers need not import the engine), and
+takes the replicas' reports (``report_instance``, fire and forget). Ray restarts it if its
+process dies; a new one resumes the active rollout from the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from app.contracts import ControllerPing, ControllerSettings, OperatorCommandName
+from rollout.engine import RolloutEngine
+from rollout.machine import Abort, OperatorCommand, Pause, Promote, Resume, Rollback
+from rollout.plan import RolloutPlan
+from rollout.status_view import wire
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME: Final = "rollout-controller"
+CONTROLLER_NAMESPACE: Final = "rollout"
+
+COMMANDS: Final[dict[OperatorCommandName, Callable[[str], OperatorCommand]]] = {
+    "pause": lambda reason: Pause(reason=reason),
+    "resume": lambda _reason: Resume(),
+    "promote": lambda _reason: Promote(),
+    "abort": lambda reason: Abort(reason=reason or "aborted by operator"),
+    "rollback": lambda reason: Rollback(reason=reason or "rollback requested by operator"),
+}
+
+
+def absolute_registry_url(url: str) -> str:
+    """An SQLite path relative to the caller's directory, made absolute: the actor's worker
+    process runs elsewhere."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url.startswith(prefix + "/"):
+        return prefix + os.path.abspath(url[len(prefix) :])
+    return url
+
+
+class RolloutController:
+    """The detached, named controller actor (one per cluster): ticks its engine on a
+    background thread and serves the CLI and the replicas' reports."""
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.settings = ControllerSettings.model_validate(dict(settings))
+        self.engine = RolloutEngine(self.settings)
+        self.engine.resume()
+        self.repaired: list[str] | None = None
+        self._stop = threading.Event()
+        self._ticks = 0
+        self._thread = threading.Thread(target=self._loop, name="rollout-ticks", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.tick_interval_s):
+            try:
+                if self.repaired is None:
+                    # Serve may not be up yet when the controller starts: retry until it is.
+                    self.repaired = self.engine.reconcile_serve()
+                self.engine.tick()
+                self._ticks += 1
+            except Exception as exc:  # the loop must outlive any one bad tick
+                self.engine.errors.append(f"tick: {type(exc).__name__}: {exc}")
+                log.exception("controller tick failed")
+
+    # -- called by the CLI, the demo and tests
+    def ping(self) -> dict[str, Any]:
+        return wire(
+            ControllerPing(
+                **self.settings.model_dump(),
+                pid=os.getpid(),
+                ticks=self._ticks,
+                repaired=None if self.repaired is None else tuple(self.repaired),
+            )
+        )
+
+    def start_rollout(
+        self, candidate_artifact_id: str, plan: Mapping[str, Any], actor: str = "operator"
+    ) -> dict[str, Any]:
+        summary = self.engine.start_rollout(
+            candidate_artifact_id, RolloutPlan.model_validate(dict(plan)), actor=actor
+        )
+        return wire(summary)
+
+    def command(self, name: OperatorCommandName, reason: str = "") -> dict[str, Any]:
+        return wire(self.engine.command(COMMANDS[name](reason)))
+
+    def rollback_stable(
+        self, artifact_id: str | None, actor: str = "operator", reason: str = "rollback"
+    ) -> dict[str, Any]:
+        target = self.engine.rollback_stable(artifact_id, actor=actor, reason=reason)
+        return wire(target.published())
+
+    def status(self) -> dict[str, Any]:
+        return wire(self.engine.view())
+
+    def tick(self) -> dict[str, Any] | None:
+        summary = self.engine.tick()
+        return None if summary is None else wire(summary)
+
+    def reconcile(self) -> list[str]:
+        self.repaired = self.engine.reconcile_serve()
+        return self.repaired
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- called by replicas (fire and forget)
+    def report_instance(self, report: Mapping[str, Any]) -> None:
+        self.engine.report_instance(report)
+
+
+def connect(address: str | None = None) -> str | None:
+    """Attach to the running cluster (``RAY_ADDRESS`` or ``auto``) in the controller's
+    namespace; returns the cluster's dashboard URL when Ray tells it."""
+    import ray
+
+    if ray.is_initialized():
+        return None
+    context = ray.init(
+        address=address or "auto",
+        namespace=CONTROLLER_NAMESPACE,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    url = getattr(context, "dashboard_url", None)
+    if not url:
+        return None
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def get_controller(name: str = CONTROLLER_NAME) -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def ensure_controller(settings: ControllerSettings, name: str = CONTROLLER_NAME) -> Any:
+    """The named controller, created (detached) if absent. Restarted by Ray if its process
+    dies; a new one resumes the active rollout from the registry."""
+    import ray
+
+    existing = get_controller(name)
+    if existing is not None:
+        return existing
+    actor_class = ray.remote(RolloutController)
+    handle = actor_class.options(
+        name=name,
+        namespace=CONTROLLER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=16,
+        max_restarts=-1,
+    ).remote(settings.model_dump())
+    ray.get(handle.ping.remote())
+    return handle

@@ -1,0 +1,516 @@
+"""The rollout engine: carries out the state machine against the registry, Serve and metrics.
+
+``RolloutEngine`` holds the logic and owns no timer: the controller actor (``rollout.actor``)
+ticks it on a background thread, and tests step it with ``tick()``. It reaches the world only
+through its ports: the registry (``app.registry.Registry``), Serve (``rollout.serve_port``),
+the metrics windows (``rollout.metrics``) and a clock.
+
+One tick, in three parts:
+1. observe: replica reports (pushed by replicas; only replicas Serve still runs count), the
+   weights the router really applies, the metrics window the machine asks for, queued
+   operator commands. One read of Serve.
+2. decide: ``rollout.machine.advance`` (pure).
+3. act, in the machine's order, then persist the new state with compare-and-set on the
+   rollout's version. Serve changes that follow each other go out as one write; a weight
+   change is always a write of its own (what comes before it is sent first, what follows it
+   after), and a target is published in the registry before Serve is told of it.
+
+Targets only move by compare-and-set in the registry (``rollout.targets``), then through the
+Serve config. A target another writer moved is not overwritten: the rollout is aborted
+(weights to stable first) and that cohort's target is left to whoever moved it.
+
+At start-up the engine repairs drift: Serve's user_configs are set to the registry's targets
+(a stale ``serve deploy`` of an old config file is undone) and the router's weight to the
+active rollout's (0 without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from app.contracts import (
+    CANARY,
+    STABLE,
+    Cohort,
+    CommandAccepted,
+    ControllerSettings,
+    ControllerStatus,
+    InstanceReport,
+    RolloutSummary,
+    Target,
+)
+from app.errors import InvalidState, NotFound, RegistryUnavailable, RolloutSystemError
+from app.registry import Registry, TargetRecord, open_registry
+from rollout import machine
+from rollout.analysis import WindowStats
+from rollout.live import LiveRollout, weights_dict
+from rollout.machine import (
+    Abort,
+    Action,
+    Alert,
+    Finish,
+    Observations,
+    OperatorCommand,
+    PoolView,
+    RecordAudit,
+    ScaleCanary,
+    SetCanaryTarget,
+    SetStableTarget,
+    SetWeights,
+)
+from rollout.metrics import MetricsUnavailable, MetricsWindows, windows_for
+from rollout.plan import RolloutPlan
+from rollout.reports import ReportStore, in_place_fits
+from rollout.serve_control import ServeUnreachable
+from rollout.serve_port import (
+    CANARY_TARGET,
+    ROUTER_WEIGHT,
+    STABLE_TARGET,
+    HttpServePort,
+    ServeChange,
+    ServePort,
+    ServeState,
+)
+from rollout.state import RolloutState
+from rollout.status_view import controller_status, fields_of, rollout_summary
+from rollout.targets import TargetBook, TargetConflict
+
+log = logging.getLogger(__name__)
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        *,
+        registry: Registry | None = None,
+        serve: ServePort | None = None,
+        windows: MetricsWindows | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry or open_registry(settings.registry_url)
+        self.serve = serve or HttpServePort.for_settings(settings)
+        self.windows = windows or windows_for(
+            application=settings.app_name,
+            prometheus_url=settings.prometheus_url,
+            endpoints=settings.metrics_endpoints,
+            clock=clock,
+        )
+        self.clock = clock
+        self.targets = TargetBook(
+            self.registry, model=settings.model, environment=settings.environment
+        )
+        self.reports = ReportStore()
+        self._lock = threading.RLock()
+        self._commands: deque[OperatorCommand] = deque()
+        self._live: LiveRollout | None = None
+        # Set while ticks cannot reach the registry or Serve: when the hold began (a tick's
+        # ``now``) and why. The first tick that gets through moves the deadlines on by it.
+        self._held_since: float | None = None
+        self._held_reason: str | None = None
+        self.last_window: WindowStats | None = None
+        self.alerts: deque[str] = deque(maxlen=50)
+        self.errors: deque[str] = deque(maxlen=50)
+
+    @property
+    def live(self) -> LiveRollout | None:
+        return self._live
+
+    # ================================================================== start-up
+
+    def resume(self) -> str | None:
+        """Pick up the active rollout from the registry (after a restart); its id or None."""
+        with self._lock:
+            record = self.registry.get_active_rollout(
+                self.settings.model, self.settings.environment
+            )
+            if record is None or not record.state:
+                self._live = None
+                return None
+            self._live = live = LiveRollout.from_record(record)
+            log.info("resumed rollout %s at %s", live.state.rollout_id, live.state.phase.value)
+            return live.state.rollout_id
+
+    def reconcile_serve(self) -> list[str]:
+        """Drift repair: make Serve's user_configs say what the registry says, in one write.
+        Returns what was changed."""
+        with self._lock:
+            live = self._live
+            targets: dict[Cohort, Target | None] = {}
+            stable = self.targets.current(STABLE)
+            if stable is not None:
+                targets[STABLE] = stable.target()
+            canary: TargetRecord | None = None
+            if live is not None and live.state.canary_target is not None:
+                canary = self.targets.current(CANARY)
+            targets[CANARY] = canary.target() if canary is not None else None
+            bp = live.state.weights.canary_bp if live is not None else 0
+            changed = self.serve.write(ServeChange(targets=targets, canary_bp=bp))
+        lines = []
+        if STABLE_TARGET in changed and stable is not None:
+            lines.append(f"stable target -> {stable.artifact_id} (rev {stable.revision})")
+        if CANARY_TARGET in changed:
+            lines.append(
+                f"canary target -> {canary.artifact_id} (rev {canary.revision})"
+                if canary is not None
+                else "canary target cleared"
+            )
+        if ROUTER_WEIGHT in changed:
+            lines.append(f"router canary weight -> {bp} bp")
+        for line in lines:
+            log.warning("drift repaired: %s", line)
+        return lines
+
+    # ================================================================== operator surface
+
+    def start_rollout(
+        self,
+        candidate_artifact_id: str,
+        plan: RolloutPlan,
+        *,
+        actor: str = "operator",
+        rollout_id: str | None = None,
+    ) -> RolloutSummary:
+        s = self.settings
+        with self._lock:
+            artifact = self.registry.get_artifact(s.model, candidate_artifact_id)  # NotFound
+            if artifact.state != "ready":
+                raise InvalidState(
+                    f"{candidate_artifact_id} is {artifact.state}, not ready: approve it first "
+                    "(rollout registry approve ...)"
+                )
+            try:
+                baseline = self.registry.get_target(s.model, s.environment, STABLE)
+            except NotFound:
+                raise InvalidState(
+                    f"{s.model}/{s.environment} has no stable target to compare with; "
+                    "publish one first (rollout registry publish stable ...)"
+                ) from None
+            if self._live is not None and self._live.state.is_active:
+                raise InvalidState(
+                    f"rollout {self._live.state.rollout_id} of {s.model} is still "
+                    f"{self._live.state.phase.value}; abort it or wait for it to finish"
+                )
+            if candidate_artifact_id == baseline.artifact_id:
+                raise InvalidState(
+                    f"{candidate_artifact_id} is already the stable target: nothing to roll out"
+                )
+            rollout_id = rollout_id or f"{candidate_artifact_id}-{uuid.uuid4().hex[:6]}"
+            state = RolloutState.new(
+                plan,
+                rollout_id=rollout_id,
+                model=s.model,
+                candidate_artifact_id=candidate_artifact_id,
+                baseline_artifact_id=baseline.artifact_id,
+                now=self.clock(),
+            )
+            record = self.registry.create_rollout(
+                s.model,
+                s.environment,
+                candidate_artifact_id=candidate_artifact_id,
+                baseline_artifact_id=baseline.artifact_id,
+                plan=plan.model_dump(mode="json"),
+                phase=state.phase.value,
+                weights=weights_dict(state.weights),
+                rollout_id=rollout_id,
+            )
+            canary = self.targets.current(CANARY)
+            self._live = LiveRollout(
+                state,
+                record.version,
+                known={STABLE: baseline.revision, CANARY: canary.revision if canary else 0},
+            )
+            self.targets.conflicted.clear()
+            self._live.persist(self.registry)
+            self._event("created", f"rollout of {candidate_artifact_id} by {actor}")
+            return self.rollout_summary()
+
+    def command(self, command: OperatorCommand) -> CommandAccepted:
+        with self._lock:
+            if self._live is None or not self._live.state.is_active:
+                raise InvalidState(f"no rollout of {self.settings.model} is in progress")
+            self._commands.append(command)
+            name = type(command).__name__.lower()
+            return CommandAccepted(queued=name, **fields_of(self.rollout_summary()))
+
+    def rollback_stable(self, artifact_id: str | None, *, actor: str, reason: str) -> TargetRecord:
+        """Point stable back at an earlier artifact (a higher revision) when no rollout runs.
+
+        The weights already send everything to stable; the stable replicas hot-swap while
+        serving (a failed load leaves them on the current model)."""
+        s = self.settings
+        with self._lock:
+            if self._live is not None and self._live.state.is_active:
+                raise InvalidState("a rollout is in progress: use its rollback command")
+            current = self.registry.get_target(s.model, s.environment, STABLE)
+            if artifact_id is None:
+                artifact_id = self.targets.previous_stable(current)
+            target = self.targets.publish(STABLE, artifact_id, actor=actor, reason=reason)
+            self.serve.write(ServeChange(targets={STABLE: target.target()}))
+            return target
+
+    def report_instance(self, report: Mapping[str, Any]) -> InstanceReport | None:
+        """A replica's report (``InstanceReport.model_dump(mode="json")``); the report kept,
+        or None when it was dropped (invalid, or older than the one kept)."""
+        return self.reports.receive(report)
+
+    # ================================================================== the tick
+
+    def tick(self) -> RolloutSummary | None:
+        """One observe -> decide -> act -> persist step; the summary of the rollout or None.
+
+        A tick that cannot reach the registry or Serve changes nothing and holds the rollout:
+        serving goes on as it is, and the held time does not count against its deadlines."""
+        s = self.settings
+        with self._lock:
+            now = self.clock()
+            try:
+                self.reports.persist_changed(
+                    self.registry, model=s.model, environment=s.environment, on_error=self._error
+                )
+            except RegistryUnavailable as exc:
+                self._error(f"persist reports: {exc}")
+                return self._hold(now, f"registry unavailable: {exc}")
+            live = self._live
+            if live is None or not live.state.is_active:
+                return None
+            try:
+                self._check_targets(live)
+            except RolloutSystemError as exc:
+                self._error(f"registry: {exc}")
+                return self._hold(now, f"registry: {exc}", exc)
+            try:
+                self.windows.observe()
+            except MetricsUnavailable as exc:
+                self._error(f"metrics: {exc}")
+            try:
+                observations = self._observe(live.state, now)
+            except RolloutSystemError as exc:
+                # Without a view of Serve nothing can be decided safely: hold.
+                self._error(f"observe: {exc}")
+                return self._hold(now, f"Serve: {exc}", exc)
+            self._end_hold(live, now)
+            commands = tuple(self._commands)
+            self._commands.clear()
+            new_state, actions = machine.advance(
+                live.state, dataclasses.replace(observations, commands=commands), now
+            )
+            try:
+                self._act(actions, new_state)
+            except TargetConflict as conflict:
+                # Keep the old state: the next tick aborts from it (weights to stable first).
+                self._commands.appendleft(Abort(reason=str(conflict)))
+                self._error(str(conflict))
+                return self.rollout_summary()
+            except RolloutSystemError as exc:
+                # Serve or the registry refused or is down: keep the persisted state; the
+                # next tick replays the same actions (they are declarative and idempotent).
+                self._commands.extendleft(reversed(commands))
+                self._error(f"act: {exc}")
+                return self._hold(now, f"act: {exc}", exc)
+            live.state = new_state
+            try:
+                live.persist(self.registry)
+            except RegistryUnavailable as exc:
+                # The actions are done and the state is kept here; the next tick that reaches
+                # the registry writes it (same expected version).
+                self._error(f"persist: {exc}")
+                return self._hold(now, f"registry unavailable: {exc}")
+            return self.rollout_summary()
+
+    def _hold(
+        self, now: float, reason: str, error: Exception | None = None
+    ) -> RolloutSummary | None:
+        """Note that this tick could not act; the first such tick starts the hold.
+
+        Only when the registry or Serve is out of reach (``error`` None or an unavailability):
+        a refusal (a config Serve rejects, a registry inconsistency) is no outage, and the
+        deadlines keep counting, so a rollout that cannot proceed still ends."""
+        live = self._live
+        if live is None or not live.state.is_active:
+            return None if live is None else self.rollout_summary()
+        if error is not None and not isinstance(error, RegistryUnavailable | ServeUnreachable):
+            return self.rollout_summary()
+        if self._held_since is None:
+            self._held_since = now
+            self.alerts.append(
+                f"warning: rollout {live.state.rollout_id} held: {reason}; serving goes on"
+            )
+            self._event("held", reason)
+        self._held_reason = reason
+        return self.rollout_summary()
+
+    def _end_hold(self, live: LiveRollout, now: float) -> None:
+        if self._held_since is None:
+            return
+        seconds = now - self._held_since
+        self._held_since = None
+        self._held_reason = None
+        live.state = machine.held(live.state, seconds)
+        self._event("resumed", f"registry and Serve reachable again after {seconds:.1f}s held")
+
+    # ---------------------------------------------------------------- observe
+
+    def _observe(self, state: RolloutState, now: float) -> Observations:
+        s = self.settings
+        serve = self.serve.read()
+        canary = self._pool(serve, CANARY, now)
+        stable = self._pool(serve, STABLE, now)
+        window = None
+        wanted = machine.next_window(state, now)
+        if wanted is not None:
+            start, end = wanted
+            try:
+                window = self.windows.window_between(start + s.metrics_delay_s, end)
+            except MetricsUnavailable as exc:
+                self._error(f"metrics: {exc}")
+            if window is not None:
+                self.last_window = window
+        return Observations(
+            canary=canary,
+            stable=stable,
+            router_weights=serve.router_weights,
+            window=window,
+            in_place_fits=in_place_fits(
+                self.reports.reports_of(canary),
+                self.reports.reports_of(stable),
+                state.candidate_artifact_id,
+            ),
+        )
+
+    def _pool(self, serve: ServeState, cohort: Cohort, now: float) -> PoolView:
+        deployment = serve.cohort(cohort)
+        if deployment is None:
+            return PoolView()
+        return self.reports.pool(
+            cohort,
+            deployment.running,
+            deployment.expected_replicas,
+            now=now,
+            stale_s=self.settings.report_stale_s,
+        )
+
+    # ---------------------------------------------------------------- act
+
+    def _act(self, actions: Sequence[Action], state: RolloutState) -> None:
+        """Carry the actions out in order. Serve changes are gathered and sent as one write
+        until a weight change or a registry publish comes: what was gathered goes first."""
+        reason = f"rollout {state.rollout_id}"
+        pending = ServeChange()
+
+        def send() -> None:
+            nonlocal pending
+            if pending:
+                self.serve.write(pending)
+            pending = ServeChange()
+
+        for action in actions:
+            match action:
+                case SetWeights(canary_bp=bp):
+                    send()
+                    self.serve.write(ServeChange(canary_bp=bp))
+                    self._event("weights", f"canary {bp / 100:g}%", canary_bp=bp)
+                case SetCanaryTarget(artifact_id=None):
+                    pending = pending.then(ServeChange(targets={CANARY: None}))
+                case SetCanaryTarget(artifact_id=str(artifact_id)):
+                    send()
+                    target = self._publish_for_rollout(CANARY, artifact_id, reason)
+                    if target is not None:
+                        pending = pending.then(ServeChange(targets={CANARY: target.target()}))
+                case SetStableTarget(artifact_id=artifact_id):
+                    send()
+                    target = self._publish_for_rollout(STABLE, artifact_id, reason)
+                    if target is not None:
+                        pending = pending.then(ServeChange(targets={STABLE: target.target()}))
+                case ScaleCanary(replicas=n):
+                    pending = pending.then(ServeChange(canary_replicas=n))
+                case RecordAudit(key=key, event=event, message=message):
+                    self._event(event, message, key=key)
+                case Alert(severity=severity, message=message):
+                    self.alerts.append(f"{severity}: {message}")
+                    log.warning("ALERT %s: %s", severity, message)
+                case Finish(phase=phase, reason=why):
+                    log.info("rollout %s finished: %s (%s)", state.rollout_id, phase.value, why)
+        send()
+
+    def _check_targets(self, live: LiveRollout) -> None:
+        """Notice targets moved by another writer since this rollout last wrote them: abort
+        (weights to stable first) and leave that cohort's target as the other writer set it."""
+        if live.state.phase.is_terminal:
+            return
+        for reason in self.targets.moved_since(live.known, live.ours()):
+            self._commands.appendleft(Abort(reason=reason))
+            self._error(reason)
+
+    def _publish_for_rollout(
+        self, cohort: Cohort, artifact_id: str, reason: str
+    ) -> TargetRecord | None:
+        if cohort in self.targets.conflicted:
+            self.alerts.append(
+                f"warning: {cohort} target left as another writer set it (not {artifact_id})"
+            )
+            return None
+        live = self._live
+        assert live is not None
+        target = self.targets.publish(
+            cohort,
+            artifact_id,
+            actor=self.settings.actor,
+            reason=reason,
+            expected_revision=live.known.get(cohort),
+        )
+        live.known[cohort] = target.revision
+        return target
+
+    # ---------------------------------------------------------------- persistence
+
+    def _event(
+        self, event: str, message: str, *, key: str | None = None, canary_bp: int | None = None
+    ) -> None:
+        live = self._live
+        if live is not None and live.record(
+            event, message, at=self.clock(), key=key, canary_bp=canary_bp
+        ):
+            log.info("rollout %s: %s: %s", live.state.rollout_id, event, message)
+
+    def _error(self, message: str) -> None:
+        self.errors.append(message)
+        log.warning("%s", message)
+
+    # ================================================================== views
+
+    def rollout_summary(self) -> RolloutSummary:
+        live = self._live
+        return rollout_summary(
+            live.state if live is not None else None,
+            live.events if live is not None else (),
+            held_since=self._held_since,
+            held_reason=self._held_reason,
+        )
+
+    def view(self) -> ControllerStatus:
+        with self._lock:
+            try:
+                targets = [t.published() for t in self.targets.list_targets()]
+            except RolloutSystemError as exc:
+                # Status is asked for exactly when something is down: show the rollout as
+                # the controller holds it, and say that the registry cannot be read.
+                targets = None
+                self._error(f"status: registry: {exc}")
+            return controller_status(
+                self.rollout_summary(),
+                targets=targets,
+                reports=self.reports.latest(),
+                now=self.clock(),
+                last_window=self.last_window,
+                alerts=self.alerts,
+                errors=self.errors,
+            )

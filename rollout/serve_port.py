@@ -1,0 +1,277 @@
+"""The rollout controller's one port to Ray Serve: the cohorts' state in, their settings out.
+
+``read`` is one GET of Serve's instance details, and gives everything a tick observes of the
+three deployments of the application (stable, canary, router): their statuses, their RUNNING
+replicas and ``target_num_replicas``, the user_config each runs with (the router's gives the
+weights it applies) and the user_config each was last asked for.
+
+``write`` sets targets, the router's canary weight and the canary pool's size in one
+read-modify-write of the declarative config: one GET, and one PUT only when something would
+change. Replica and router user_configs are read into ``app.contracts`` models and written back
+whole (``ReplicaConfig.with_target``, ``RouterConfig.with_canary_bp``): an override replaces the
+builder's user_config entirely, so a partial one would drop fields the replicas need.
+
+``HttpServePort`` is the port over the dashboard's REST API (``rollout.serve_control``); tests
+use an in-memory port with the same two methods.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
+
+from app.contracts import (
+    CANARY,
+    STABLE,
+    Cohort,
+    ControllerSettings,
+    ReplicaConfig,
+    RouterConfig,
+    Target,
+)
+from app.errors import ConfigError
+from rollout.serve_control import ServeControl, deployment_entry, effective_user_config
+from rollout.state import Weights
+
+Role = Literal["stable", "canary", "router"]
+ROUTER: Final = "router"
+
+# What a write changed (``ServePort.write`` returns the set of these).
+STABLE_TARGET: Final = "stable.target"
+CANARY_TARGET: Final = "canary.target"
+ROUTER_WEIGHT: Final = "router.canary_bp"
+CANARY_REPLICAS: Final = "canary.num_replicas"
+_TARGET_CHANGE: Final[dict[Cohort, str]] = {STABLE: STABLE_TARGET, CANARY: CANARY_TARGET}
+
+# From a deployment's current user_config, its new one (None: no change).
+_Rewrite = Callable[[Mapping[str, Any] | None], dict[str, Any] | None]
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    """One deployment as Serve reports it."""
+
+    status: str | None = None
+    replicas: Mapping[str, str] = field(default_factory=dict)  # replica id -> Serve's state
+    target_num_replicas: int | None = None
+    applied_user_config: Mapping[str, Any] | None = None  # what its replicas were given
+    user_config: Mapping[str, Any] | None = None  # what was last asked for (the effective one)
+
+    @property
+    def running(self) -> frozenset[str]:
+        return frozenset(rid for rid, state in self.replicas.items() if state == "RUNNING")
+
+    @property
+    def expected_replicas(self) -> int:
+        """The replica count Serve is configured for (the RUNNING ones when it does not say)."""
+        return self.target_num_replicas or len(self.running)
+
+    @property
+    def settled(self) -> bool:
+        """HEALTHY, every replica RUNNING: each one has been reconfigured (those being
+        reconfigured are UPDATING), so ``applied_user_config`` is what they all run."""
+        return self.status == "HEALTHY" and all(s == "RUNNING" for s in self.replicas.values())
+
+
+@dataclass(frozen=True)
+class ServeState:
+    """The application's three deployments (None: Serve does not run that one)."""
+
+    stable: DeploymentState | None = None
+    canary: DeploymentState | None = None
+    router: DeploymentState | None = None
+
+    def cohort(self, cohort: Cohort) -> DeploymentState | None:
+        return self.stable if cohort == STABLE else self.canary
+
+    @property
+    def router_weights(self) -> Weights | None:
+        """The weights the router applies: its user_config once every replica has it."""
+        router = self.router
+        if router is None or not router.settled:
+            return None
+        try:
+            config = RouterConfig.from_user_config(router.applied_user_config or {})
+        except ConfigError:
+            return None  # not a config the router would run: its weights are unknown
+        return Weights.with_canary(config.canary_bp)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class ServeChange:
+    """What one write sets; what is absent is left as it is. A target of None clears the
+    cohort's target (an idle pool)."""
+
+    targets: Mapping[Cohort, Target | None] = field(default_factory=dict)
+    canary_bp: int | None = None
+    canary_replicas: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.targets) or self.canary_bp is not None or self.canary_replicas is not None
+
+    def then(self, later: ServeChange) -> ServeChange:
+        """This change followed by ``later``: where both set something, ``later`` wins."""
+        return ServeChange(
+            targets={**self.targets, **later.targets},
+            canary_bp=self.canary_bp if later.canary_bp is None else later.canary_bp,
+            canary_replicas=(
+                self.canary_replicas if later.canary_replicas is None else later.canary_replicas
+            ),
+        )
+
+
+def replica_user_config(
+    current: Mapping[str, Any] | None, cohort: Cohort, target: Target | None
+) -> dict[str, Any] | None:
+    """The whole user_config of a cohort's replicas with ``target``; None when ``current``
+    already says that. A deployment without one gets the defaults."""
+    config = ReplicaConfig.from_user_config(current if current is not None else {"cohort": cohort})
+    wanted = config.with_target(target)
+    return None if wanted == config else wanted.model_dump(mode="json")
+
+
+def router_user_config(current: Mapping[str, Any] | None, canary_bp: int) -> dict[str, Any] | None:
+    """The router's whole user_config with ``canary_bp``; None when ``current`` says that."""
+    config = RouterConfig.from_user_config(current or {})
+    wanted = config.with_canary_bp(canary_bp)
+    return None if wanted == config else wanted.model_dump(mode="json")
+
+
+class ServePort(Protocol):
+    def read(self) -> ServeState:
+        """The three deployments now; ServeUnreachable when Serve does not answer."""
+        ...
+
+    def write(self, change: ServeChange) -> frozenset[str]:
+        """Carry ``change`` out; what it changed (``STABLE_TARGET`` ...), empty when nothing
+        needed to change and so nothing was sent."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class HttpServePort:
+    """The port over Serve's REST API: ``read`` is one GET, ``write`` one GET and at most one
+    PUT."""
+
+    def __init__(
+        self,
+        control: ServeControl,
+        *,
+        app: str,
+        stable: str = "stable",
+        canary: str = "canary",
+        router: str = "router",
+    ) -> None:
+        self.control = control
+        self.app = app
+        self.names: dict[Role, str] = {STABLE: stable, CANARY: canary, ROUTER: router}
+
+    @classmethod
+    def for_settings(cls, settings: ControllerSettings) -> HttpServePort:
+        return cls(
+            ServeControl(settings.dashboard_url),
+            app=settings.app_name,
+            stable=settings.stable_deployment,
+            canary=settings.canary_deployment,
+            router=settings.router_deployment,
+        )
+
+    def close(self) -> None:
+        self.control.close()
+
+    def read(self) -> ServeState:
+        details = self.control.details()
+        app = (details.get("applications") or {}).get(self.app) or {}
+        deployed = app.get("deployed_app_config") or {}
+        entries = {e.get("name"): e for e in deployed.get("deployments") or []}
+
+        def state(role: Role) -> DeploymentState | None:
+            name = self.names[role]
+            live = (app.get("deployments") or {}).get(name)
+            if not live:
+                return None
+            return DeploymentState(
+                status=live.get("status"),
+                replicas={
+                    str(r.get("replica_id")): str(r.get("state"))
+                    for r in live.get("replicas") or []
+                },
+                target_num_replicas=live.get("target_num_replicas"),
+                applied_user_config=(live.get("deployment_config") or {}).get("user_config"),
+                user_config=effective_user_config(details, entries.get(name), self.app, name),
+            )
+
+        return ServeState(stable=state(STABLE), canary=state(CANARY), router=state(ROUTER))
+
+    def write(self, change: ServeChange) -> frozenset[str]:
+        if not change:
+            return frozenset()
+        details = self.control.details()
+        current = self.control.declarative_config(details)
+        wanted = copy.deepcopy(current)
+        changed = self._apply(wanted, details, change)
+        if changed:
+            self.control.apply(wanted)
+        return changed
+
+    def _apply(
+        self, config: dict[str, Any], details: Mapping[str, Any], change: ServeChange
+    ) -> frozenset[str]:
+        """Make ``change`` in the declarative ``config``; what it changed. An entry is only
+        added or altered where a value differs, so a change of nothing leaves ``config`` as
+        it was."""
+        changed: set[str] = set()
+
+        def set_user_config(role: Role, make: _Rewrite) -> bool:
+            name = self.names[role]
+            entry = deployment_entry(config, self.app, name, create=False)
+            new = make(effective_user_config(details, entry, self.app, name))
+            if new is None:
+                return False
+            entry = entry if entry is not None else deployment_entry(config, self.app, name)
+            assert entry is not None
+            entry["user_config"] = new
+            return True
+
+        for cohort, target in change.targets.items():
+            if set_user_config(
+                cohort, lambda cur, c=cohort, t=target: replica_user_config(cur, c, t)
+            ):
+                changed.add(_TARGET_CHANGE[cohort])
+        if change.canary_bp is not None:
+            bp = change.canary_bp
+            if set_user_config(ROUTER, lambda cur: router_user_config(cur, bp)):
+                changed.add(ROUTER_WEIGHT)
+        if change.canary_replicas is not None and self._scale(
+            config, details, self.names[CANARY], change.canary_replicas
+        ):
+            changed.add(CANARY_REPLICAS)
+        return frozenset(changed)
+
+    def _scale(
+        self, config: dict[str, Any], details: Mapping[str, Any], name: str, replicas: int
+    ) -> bool:
+        entry = deployment_entry(config, self.app, name, create=False)
+        if entry is not None and "num_replicas" in entry:
+            current = entry["num_replicas"]
+        else:  # not set in the declarative config: what the deployment is configured with
+            app = (details.get("applications") or {}).get(self.app) or {}
+            live = (app.get("deployments") or {}).get(name) or {}
+            current = (live.get("deployment_config") or {}).get("num_replicas")
+            if current is None:
+                current = live.get("target_num_replicas")
+        if current == replicas:
+            return False
+        entry = entry if entry is not None else deployment_entry(config, self.app, name)
+        assert entry is not None
+        entry["num_replicas"] = replicas
+        return True

@@ -1,0 +1,220 @@
+"""What the controller shows: ``RolloutSummary`` and ``ControllerStatus`` built from its state,
+their JSON form for the actor's answers, and the text of ``rollout status``.
+
+The actor answers the CLI with ``wire(view)``: the fields the controller set, as JSON (so "no
+rollout" is ``{"rollout": None}``, and an event carries ``canary_bp`` only when it is a weight
+change). The CLI validates an answer back into its model and renders that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from pydantic import BaseModel
+
+from app.contracts import (
+    COHORTS,
+    CohortWindowView,
+    ControllerStatus,
+    HoldView,
+    InstanceReport,
+    PublishedTarget,
+    ReplicaRow,
+    RolloutEvent,
+    RolloutSummary,
+    VerdictView,
+    WeightsView,
+    WindowView,
+)
+from rollout.analysis import CohortStats, WindowStats
+from rollout.state import RolloutState
+
+TEXT_LIMIT: Final = 4000  # the contracts' bound on one text field
+SHOWN_EVENTS: Final = 10  # of a rollout's events, the latest this many
+SHOWN_NOTES: Final = 10  # alerts and errors
+
+
+def clip(text: str | None) -> str | None:
+    """Text within the contracts' bound (an exception's message can be any length)."""
+    if text is None or len(text) <= TEXT_LIMIT:
+        return text
+    return text[: TEXT_LIMIT - 3] + "..."
+
+
+def wire(view: BaseModel) -> dict[str, Any]:
+    """A view as the actor answers it: the fields that were set, as JSON."""
+    return view.model_dump(mode="json", exclude_unset=True)
+
+
+def fields_of(view: BaseModel) -> dict[str, Any]:
+    """The fields set on ``view``, to build a wider view from it."""
+    return {name: getattr(view, name) for name in view.model_fields_set}
+
+
+def rollout_summary(
+    state: RolloutState | None,
+    events: Sequence[RolloutEvent] = (),
+    *,
+    held_since: float | None = None,
+    held_reason: str | None = None,
+) -> RolloutSummary:
+    if state is None:
+        return RolloutSummary(rollout=None)
+    return RolloutSummary(
+        rollout=state.rollout_id,
+        model=state.model,
+        candidate=state.candidate_artifact_id,
+        baseline=state.baseline_artifact_id,
+        phase=state.phase,
+        finished=state.finished,
+        step=state.step_index,
+        step_percent=state.step_percent,
+        steps=tuple(state.plan.steps),
+        weights=WeightsView(stable_bp=state.weights.stable_bp, canary_bp=state.weights.canary_bp),
+        failed_checks=state.failed_checks,
+        reason=clip(state.reason),
+        pending_gate=state.pending_gate,
+        held=None
+        if held_since is None
+        else HoldView(since=held_since, reason=clip(held_reason) or ""),
+        verdicts=tuple(
+            VerdictView(
+                step=v.step_index,
+                outcome=v.outcome.value,
+                reasons=tuple(clip(r) or "" for r in v.reasons),
+            )
+            for v in state.verdicts
+        ),
+        events=tuple(events[-SHOWN_EVENTS:]),
+    )
+
+
+def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[ReplicaRow, ...]:
+    rows = (
+        ReplicaRow(
+            replica=replica_id,
+            cohort=r.cohort,
+            phase=r.phase,
+            desired=r.desired_artifact,
+            actual=r.actual_artifact,
+            actual_revision=r.actual_revision,
+            error=clip(r.last_error.describe()) if r.last_error is not None else None,
+            age_s=round(now - r.heartbeat, 1),
+        )
+        for replica_id, r in reports.items()
+    )
+    return tuple(sorted(rows, key=lambda row: (str(row.cohort), row.replica)))
+
+
+def window_view(window: WindowStats) -> WindowView:
+    span = max(window.duration_s, 1e-9)
+
+    def cohort(stats: CohortStats | None) -> CohortWindowView | None:
+        if stats is None:
+            return None
+        return CohortWindowView(
+            requests=stats.requests,
+            rps=round(stats.requests / span, 1),
+            error_rate=stats.error_rate,
+            p50_ms=stats.p50_ms,
+            p99_ms=stats.p99_ms,
+        )
+
+    return WindowView(
+        start=window.start,
+        end=window.end,
+        canary=cohort(window.canary),
+        stable=cohort(window.stable),
+    )
+
+
+def controller_status(
+    summary: RolloutSummary,
+    *,
+    targets: Sequence[PublishedTarget] | None,
+    reports: Mapping[str, InstanceReport],
+    now: float,
+    last_window: WindowStats | None,
+    alerts: Iterable[str],
+    errors: Iterable[str],
+) -> ControllerStatus:
+    return ControllerStatus(
+        **fields_of(summary),
+        targets=None if targets is None else tuple(targets),
+        replicas=replica_rows(reports, now),
+        last_window=None if last_window is None else window_view(last_window),
+        alerts=tuple(clip(a) or "" for a in list(alerts)[-SHOWN_NOTES:]),
+        errors=tuple(clip(e) or "" for e in list(errors)[-SHOWN_NOTES:]),
+    )
+
+
+# --------------------------------------------------------------------------- rollout status
+
+
+def _pct(bp: int | None) -> str:
+    return "-" if bp is None else f"{bp / 100:g}%"
+
+
+def render_status(view: RolloutSummary) -> str:
+    """The human view of ``rollout status`` (and of a command's answer: a summary alone)."""
+    lines = []
+    if view.rollout:
+        step = view.step if view.step is not None else -1
+        where = f"step {step + 1}/{len(view.steps)} ({view.step_percent}%)" if step >= 0 else ""
+        lines.append(
+            f"rollout {view.rollout}: {view.phase} {where}  "
+            f"candidate {view.candidate} over {view.baseline}"
+        )
+        w = view.weights
+        lines.append(
+            f"weights: stable {_pct(w.stable_bp if w else None)} "
+            f"canary {_pct(w.canary_bp if w else None)}"
+            f"   failed checks {view.failed_checks or 0}"
+            + (f"   gate {view.pending_gate}" if view.pending_gate else "")
+            + (f"   reason: {view.reason}" if view.reason else "")
+        )
+        if view.held is not None:
+            since = datetime.fromtimestamp(view.held.since, UTC).strftime("%H:%M:%S")
+            lines.append(
+                f"HELD since {since} UTC (deadlines paused, serving goes on): {view.held.reason}"
+            )
+    else:
+        lines.append("no rollout in progress")
+    status = view if isinstance(view, ControllerStatus) else None
+    window = status.last_window if status is not None else None
+    if window is not None:
+        parts = []
+        for name in COHORTS:
+            c = getattr(window, name)
+            if c is not None:
+                err = "-" if c.error_rate is None else f"{c.error_rate * 100:.2f}%"
+                p99 = "-" if c.p99_ms is None else f"{c.p99_ms:.1f}ms"
+                parts.append(f"{name} {c.rps}/s err {err} p99 {p99}")
+        span = window.end - window.start
+        lines.append(f"last window ({span:.0f}s): " + (" | ".join(parts) or "no traffic"))
+    for verdict in view.verdicts:
+        lines.append(
+            f"  verdict step {verdict.step + 1}: {verdict.outcome}: " + "; ".join(verdict.reasons)
+        )
+    if status is not None:
+        for target in status.targets or ():
+            lines.append(
+                f"target {target.cohort}: {target.artifact_id} (revision {target.revision})"
+            )
+        if status.replicas:
+            lines.append(
+                f"{'replica':<12} {'cohort':<7} {'phase':<8} {'actual':<14} {'rev':>4}  error"
+            )
+            for r in status.replicas:
+                lines.append(
+                    f"{r.replica[:12]:<12} {r.cohort!s:<7} {r.phase!s:<8} "
+                    f"{r.actual!s:<14} {r.actual_revision!s:>4}  {r.error or ''}"
+                )
+    for event in view.events[-5:]:
+        lines.append(f"  event {event.event}: {event.message}")
+    if status is not None:
+        for alert in status.alerts:
+            lines.append(f"  ALERT {alert}")
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""The rollout engine against its ports: a real SQLite registry, Serve in memory
+(tests/unit/fakes.py, counting GETs and PUTs as the HTTP port makes them), metrics windows on
+demand and a fake clock. Replicas are played by the test: after each tick, every RUNNING replica
+reports that it serves its cohort's target."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.contracts import CommandAccepted, ControllerSettings, InstanceReport, ReplicaPhase
+from app.registry import Registry, open_registry
+from rollout.analysis import CohortStats, WindowStats
+from rollout.engine import RolloutEngine
+from rollout.machine import Abort
+from rollout.plan import RolloutPlan
+from rollout.serve_control import ServeControl
+from rollout.serve_port import HttpServePort
+from rollout.status_view import wire
+from tests.integration.manifests import write_manifest
+from tests.unit.fakes import (
+    FakeDashboard,
+    FakeServe,
+    FakeWindows,
+    app_details,
+    deployment_details,
+    replica_config,
+    router_config,
+)
+
+V41, V42 = "ranker-v41", "ranker-v42"
+
+PLAN = RolloutPlan.model_validate(
+    {
+        "steps": [50],
+        "interval_s": 10,
+        "min_requests": 10,
+        "threshold": 1,
+        "progress_deadline_s": 300,
+        "promotion": "shift",
+        "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
+    }
+)
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    """v41 the stable target, v42 approved."""
+    registry = open_registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    for artifact_id in (V41, V42):
+        ref = write_manifest(tmp_path / artifact_id, artifact_id)
+        registry.register_artifact(ref.uri, ref.sha256)
+        registry.approve_artifact("ranker", artifact_id, actor="t")
+    registry.publish("ranker", "default", "stable", V41, 0, actor="t", reason="init")
+    yield registry
+    registry.close()
+
+
+def passing(start: float, end: float) -> WindowStats:
+    healthy = CohortStats(500, p50_ms=10.0, p99_ms=40.0)
+    return WindowStats(start, end, canary=healthy, stable=healthy)
+
+
+class World:
+    """An engine, its Serve, its windows and its clock, and replicas that do as they are told."""
+
+    def __init__(self, registry: Registry, serve: Any = None) -> None:
+        self.now = 1000.0
+        self.seq = 0
+        self.registry = registry
+        stable = registry.get_target("ranker", "default", "stable").target()
+        self.serve = serve or FakeServe(stable=replica_config("stable", stable))
+        self.windows = FakeWindows(passing)
+        settings = ControllerSettings(
+            registry_url="sqlite:///unused", dashboard_url="http://unused", metrics_delay_s=1.0
+        )
+        self.engine = RolloutEngine(
+            settings,
+            registry=registry,
+            serve=self.serve,
+            windows=self.windows,
+            clock=lambda: self.now,
+        )
+
+    def report(self, replica_id: str, cohort: str, **fields: Any) -> InstanceReport | None:
+        self.seq += 1
+        values = {
+            "replica_id": replica_id,
+            "cohort": cohort,
+            "pid": 7,
+            "phase": "ready",
+            "heartbeat": self.now,
+            "seq": self.seq,
+            **fields,
+        }
+        return self.engine.report_instance(
+            InstanceReport.model_validate(values).model_dump(mode="json")
+        )
+
+    def replicas_report(self) -> None:
+        """Every RUNNING replica serves its cohort's target."""
+        for cohort in ("stable", "canary"):
+            target = self.serve.target(cohort)
+            artifact = target["artifact_id"] if target else None
+            revision = target["revision"] if target else None
+            for replica_id in self.serve.running(cohort):
+                self.report(
+                    replica_id,
+                    cohort,
+                    phase="ready" if target else "idle",
+                    desired_artifact=artifact,
+                    desired_revision=revision,
+                    actual_artifact=artifact,
+                    actual_revision=revision,
+                )
+
+    def tick(self, seconds: float = 1.0) -> Any:
+        self.now += seconds
+        summary = self.engine.tick()
+        self.replicas_report()
+        return summary
+
+    def run(self, ticks: int = 60) -> Any:
+        for _ in range(ticks):
+            summary = self.tick()
+            if summary is None or summary.finished:
+                return summary
+        raise AssertionError(f"not finished after {ticks} ticks: {summary}")
+
+
+def test_a_full_rollout_to_promotion(registry: Registry) -> None:
+    world = World(registry)
+    world.replicas_report()
+    world.engine.start_rollout(V42, PLAN, actor="test")
+
+    summary = world.run()
+
+    assert (summary.phase, summary.finished) == ("succeeded", True), summary
+    assert registry.get_target("ranker", "default", "stable").artifact_id == V42
+    serve = world.serve
+    assert serve.target("stable")["artifact_id"] == V42
+    assert serve.target("canary") is None and serve.canary_bp == 0
+    events = [e.event for e in world.engine.live.events]
+    assert events[:2] == ["created", "started"] and events[-1] == "finished"
+    weights = [e.canary_bp for e in world.engine.live.events if e.event == "weights"]
+    assert weights == [5000, 10_000, 0]
+    history = registry.history("ranker", "default")
+    assert [(h.cohort, h.new_artifact_id) for h in history][:2] == [
+        ("stable", V42),
+        ("canary", V42),
+    ]
+    record = registry.list_rollouts("ranker", "default", limit=1)[0]
+    assert record.phase == "succeeded" and not record.active
+    # Targets (canary, then stable), three weight changes and the canary cleared: one PUT
+    # each, whatever the number of ticks.
+    assert serve.puts == 6
+    assert world.tick() is None  # nothing more to do
+
+
+def test_the_first_tick_of_a_rollout_is_one_read_and_one_write(registry: Registry) -> None:
+    world = World(registry)
+    world.replicas_report()
+    world.engine.start_rollout(V42, PLAN)
+    world.tick()
+    # Observe: one GET. Canary target and canary scale: one write, one GET and one PUT.
+    assert (world.serve.gets, world.serve.puts) == (2, 1)
+    assert world.serve.target("canary")["artifact_id"] == V42
+
+
+def test_the_first_tick_over_http_is_two_gets_and_one_put(registry: Registry) -> None:
+    dashboard = FakeDashboard(
+        app_details(
+            deployments={
+                "stable": deployment_details(
+                    "stable",
+                    replica_config(
+                        "stable", registry.get_target("ranker", "default", "stable").target()
+                    ),
+                ),
+                "canary": deployment_details("canary", replica_config("canary")),
+                "router": deployment_details("router", router_config()),
+            }
+        )
+    )
+    control = ServeControl("http://dashboard", token="t", transport=dashboard.transport)
+    world = World(registry, serve=HttpServePort(control, app="ranker"))
+    world.engine.start_rollout(V42, PLAN)
+    world.now += 1
+    world.engine.tick()
+    assert (dashboard.gets, len(dashboard.puts)) == (2, 1)
+    [entry] = dashboard.puts[0]["applications"][0]["deployments"]
+    assert entry["name"] == "canary" and entry["user_config"]["target"]["artifact_id"] == V42
+    assert "num_replicas" not in entry  # the canary already runs the one replica asked for
+
+
+def test_an_operator_rollback_of_stable_is_one_write(registry: Registry) -> None:
+    registry.publish("ranker", "default", "stable", V42, 1, actor="t", reason="v42")
+    world = World(registry)
+    target = world.engine.rollback_stable(None, actor="op", reason="back")
+    assert (target.artifact_id, target.revision) == (V41, 3)
+    assert (world.serve.gets, world.serve.puts) == (1, 1)
+    assert world.serve.target("stable") == target.target().model_dump(mode="json")
+
+
+def test_drift_is_repaired_in_one_write(registry: Registry) -> None:
+    # A stale deploy: stable on an old config (no target), the router at 5%, canary idle.
+    world = World(registry, serve=FakeServe(router=router_config(500)))
+    assert world.engine.reconcile_serve() == [
+        f"stable target -> {V41} (rev 1)",
+        "router canary weight -> 0 bp",
+    ]
+    assert (world.serve.gets, world.serve.puts) == (1, 1)
+    assert world.engine.reconcile_serve() == []
+    assert (world.serve.gets, world.serve.puts) == (2, 1)
+
+
+def test_reports_are_validated_and_a_late_one_dropped(registry: Registry) -> None:
+    world = World(registry)
+    world.seq = 10
+    assert world.report("c0", "canary", phase="backoff") is not None
+    world.seq = 5
+    assert world.report("c0", "canary", phase="failed") is None  # an older seq: late
+    assert world.engine.report_instance({"replica_id": "c0", "phase": "ready"}) is None
+    assert world.engine.reports.latest()["c0"].phase is ReplicaPhase.BACKOFF
+
+
+def test_another_writer_moving_a_target_aborts_without_overwriting_it(
+    registry: Registry,
+) -> None:
+    world = World(registry)
+    world.replicas_report()
+    gated = RolloutPlan.model_validate(
+        {**PLAN.model_dump(), "gates": {"pause_before_promotion": True}}
+    )
+    world.engine.start_rollout(V42, gated)
+    for _ in range(30):
+        if world.tick().phase == "paused":
+            break
+    current = registry.get_target("ranker", "default", "canary")
+    theirs = registry.publish(
+        "ranker", "default", "canary", V41, current.revision, actor="someone", reason="x"
+    )
+
+    summary = world.run()
+
+    assert summary.phase == "aborted" and "registry conflict" in summary.reason
+    after = registry.get_target("ranker", "default", "canary")
+    assert (after.revision, after.artifact_id) == (theirs.revision, V41), "overwritten"
+    assert world.serve.canary_bp == 0
+    assert registry.get_target("ranker", "default", "stable").artifact_id == V41
+
+
+def test_the_views_keep_their_json_keys(registry: Registry) -> None:
+    world = World(registry)
+    engine = world.engine
+    assert wire(engine.rollout_summary()) == {"rollout": None}
+    status_keys = {"rollout", "targets", "replicas", "last_window", "alerts", "errors"}
+    assert set(wire(engine.view())) == status_keys
+
+    world.replicas_report()
+    started = wire(engine.start_rollout(V42, PLAN))
+    summary_keys = {
+        "rollout", "model", "candidate", "baseline", "phase", "finished", "step",
+        "step_percent", "steps", "weights", "failed_checks", "reason", "pending_gate", "held",
+        "verdicts", "events",
+    }  # fmt: skip
+    assert set(started) == summary_keys
+    accepted = engine.command(Abort(reason="test"))
+    assert isinstance(accepted, CommandAccepted)
+    assert set(wire(accepted)) == summary_keys | {"queued"} and accepted.queued == "abort"
+    world.run()
+    status = wire(engine.view())
+    assert set(status) == summary_keys | status_keys
+    assert {tuple(sorted(e)) for e in status["events"]} == {
+        ("at", "event", "key", "message"),
+        ("at", "canary_bp", "event", "key", "message"),
+    }
+    assert [t["cohort"] for t in status["targets"]] == ["stable"]  # aborted before canary
+    assert set(status["replicas"][0]) == {
+        "replica", "cohort", "phase", "desired", "actual", "actual_revision", "error", "age_s",
+    }  # fmt: skip
+    # The events persisted with the state are the same dicts.
+    record = registry.list_rollouts("ranker", "default", limit=1)[0]
+    assert record.state["events"][-len(status["events"]) :] == status["events"]
