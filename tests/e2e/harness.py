@@ -52,16 +52,16 @@ import numpy as np
 import ray
 
 from app.client import RetryPolicy
+from app.contracts import ControllerSettings
 from app.demo_artifacts import make_demo_artifacts
 from app.faults import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
 from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
 from app.registry import Registry, open_registry
-from rollout.controller import (
+from rollout.actor import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
-    ControllerSettings,
     ensure_controller,
     get_controller,
 )

@@ -23,7 +23,7 @@ from ray import serve
 from app.errors import NotFound
 from app.polling import wait_until
 from app.registry import Registry, open_registry
-from rollout.controller import get_controller
+from rollout.actor import get_controller
 from tests import artifacts, postgres
 from tests.e2e.artifact_server import GatedArtifactServer
 from tests.e2e.dsl import Scenario, plan

@@ -41,9 +41,9 @@ from app.polling import wait_until
 from rollout.analysis import CohortStats, WindowStats
 from rollout.metrics import (
     REQUESTS_SERIES,
+    MetricsSnapshot,
     PromQLSource,
     RayScrapeSource,
-    Snapshot,
     SnapshotWindows,
     cohort_window,
     quantile_from_buckets,
@@ -137,9 +137,9 @@ class RecordingScrape(RayScrapeSource):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.taken: list[Snapshot] = []
+        self.taken: list[MetricsSnapshot] = []
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> MetricsSnapshot:
         snap = super().snapshot()
         self.taken.append(snap)
         return snap

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from app.polling import wait_until
-from rollout.controller import get_controller
+from rollout.actor import get_controller
 from rollout.traffic import cohort_share
 from tests import artifacts
 from tests.e2e.harness import BASELINE, CANDIDATE, FAST_PLAN, RolloutEnv, failed, register
