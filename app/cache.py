@@ -49,7 +49,7 @@ from app.signing import load_public_key, verify_manifest_signature
 GiB: Final = 1 << 30
 CHUNK_BYTES: Final = 8 << 20
 # Digests of bytes already in memory are taken in pieces this large, a pacing point between
-# each (~2 ms of SHA-256 here): one call over a whole file would be one long burst.
+# each (a few ms of SHA-256): one call over a whole file would be one long burst.
 HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
 

@@ -260,7 +260,11 @@ class ReplicaConfig(Contract):
         return cls.parse(raw, where="user_config")
 
     def with_target(self, target: Target | None) -> ReplicaConfig:
-        return self.model_copy(update={"target": target})
+        """This config with ``target``. The target counts as given in full (defaults
+        included), so a dump of only the fields given (``exclude_unset``) still spells it
+        whole: a replica reads a target as the writer meant it, whatever its defaults."""
+        whole = None if target is None else Target.model_validate(target.model_dump())
+        return self.model_copy(update={"target": whole})
 
 
 # --------------------------------------------------------------------------- router user_config
@@ -290,7 +294,9 @@ class RouterConfig(Contract):
         return cls.parse(raw, where="user_config")
 
     def with_canary_bp(self, canary_bp: int) -> RouterConfig:
-        return RouterConfig.model_validate({**self.model_dump(), "canary_bp": canary_bp})
+        return RouterConfig.model_validate(
+            {**self.model_dump(exclude_unset=True), "canary_bp": canary_bp}
+        )
 
 
 # --------------------------------------------------------------------------- application args

@@ -9,7 +9,9 @@ weights it applies) and the user_config each was last asked for.
 read-modify-write of the declarative config: one GET, and one PUT only when something would
 change. Replica and router user_configs are read into ``app.contracts`` models and written back
 whole (``ReplicaConfig.with_target``, ``RouterConfig.with_canary_bp``): an override replaces the
-builder's user_config entirely, so a partial one would drop fields the replicas need.
+builder's user_config entirely, so a partial one would drop fields the replicas need. They are
+written back with the fields they were given and the one changed, not every default spelled
+out: the declarative config keeps reading as its author wrote it.
 
 ``HttpServePort`` is the port over the dashboard's REST API (``rollout.serve_control``); tests
 use an in-memory port with the same two methods.
@@ -135,14 +137,14 @@ def replica_user_config(
     already says that. A deployment without one gets the defaults."""
     config = ReplicaConfig.from_user_config(current if current is not None else {"cohort": cohort})
     wanted = config.with_target(target)
-    return None if wanted == config else wanted.model_dump(mode="json")
+    return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
 def router_user_config(current: Mapping[str, Any] | None, canary_bp: int) -> dict[str, Any] | None:
     """The router's whole user_config with ``canary_bp``; None when ``current`` says that."""
     config = RouterConfig.from_user_config(current or {})
     wanted = config.with_canary_bp(canary_bp)
-    return None if wanted == config else wanted.model_dump(mode="json")
+    return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
 class ServePort(Protocol):

@@ -114,6 +114,27 @@ def test_a_write_is_one_get_and_one_put_of_the_whole_user_config(dashboard: Fake
     )
 
 
+def test_a_write_keeps_a_hand_written_user_config_as_written(dashboard: FakeDashboard) -> None:
+    # An operator's override names two fields; the controller's write adds the target and
+    # the weight, and spells out none of the defaults the author left out.
+    app = dashboard.details["applications"]["ranker"]
+    app["deployed_app_config"]["deployments"] = [
+        {"name": "canary", "user_config": {"cohort": "canary", "faults": {"error_rate": 0.5}}},
+        {"name": "router", "user_config": {"salt": "s1"}},
+    ]
+
+    port_for(dashboard).write(ServeChange(targets={"canary": V42}, canary_bp=500))
+
+    [put] = dashboard.puts
+    entries = {e["name"]: e["user_config"] for e in put["applications"][0]["deployments"]}
+    assert entries["canary"] == {
+        "cohort": "canary",
+        "faults": {"error_rate": 0.5},
+        "target": V42.model_dump(mode="json"),
+    }
+    assert entries["router"] == {"salt": "s1", "canary_bp": 500}
+
+
 def test_a_change_of_nothing_sends_no_put(dashboard: FakeDashboard) -> None:
     port = port_for(dashboard)
     assert port.write(ServeChange()) == frozenset() and dashboard.gets == 0
