@@ -14,6 +14,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from app.artifact_store import manifest_uri_for
+from app.contracts import Target
 from app.errors import ArtifactRejected, ConfigError
 from app.manifest import (
     MANIFEST_NAME,
@@ -38,6 +39,16 @@ class PackResult:
     out_dir: Path
     manifest_uri: str
     manifest_sha256: str
+
+    def target(self, revision: int) -> Target:
+        """This artifact as a cohort's target at ``revision`` (the manifest's feature schema
+        is the service's default; a target naming another is refused when it loads)."""
+        return Target(
+            revision=revision,
+            artifact_id=self.artifact_id,
+            manifest_uri=self.manifest_uri,
+            manifest_sha256=self.manifest_sha256,
+        )
 
     def as_json(self) -> dict[str, str]:
         return {

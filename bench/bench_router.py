@@ -159,12 +159,7 @@ def summarize(latencies: list[float], elapsed: float) -> dict[str, float]:
 
 
 def target(packed: Any, revision: int) -> dict[str, Any]:
-    return {
-        "revision": revision,
-        "artifact_id": packed.artifact_id,
-        "manifest_uri": packed.manifest_uri,
-        "manifest_sha256": packed.manifest_sha256,
-    }
+    return packed.target(revision).model_dump(mode="json")
 
 
 def spread(values: list[float]) -> str:

@@ -52,7 +52,7 @@ import numpy as np
 import ray
 
 from app.client import RetryPolicy
-from app.contracts import ControllerSettings
+from app.contracts import ControllerSettings, InstanceReport
 from app.demo_artifacts import make_demo_artifacts
 from app.faults import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
 from app.features import NUM_FEATURES
@@ -236,13 +236,7 @@ class Cluster:
         return next(self._revisions)
 
     def target(self, packed: PackResult, revision: int | None = None) -> dict[str, Any]:
-        return {
-            "revision": revision or self.revision(),
-            "artifact_id": packed.artifact_id,
-            "manifest_uri": packed.manifest_uri,
-            "manifest_sha256": packed.manifest_sha256,
-            "feature_schema": "ranker-features-v3",
-        }
+        return packed.target(revision or self.revision()).model_dump(mode="json")
 
     def set_target(self, cohort: str, target: dict[str, Any]) -> None:
         self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "target": target}})
@@ -254,10 +248,14 @@ class Cluster:
     def set_router(self, **changes: Any) -> None:
         self.rest.update_user_configs(APP, {"router": lambda cfg: {**cfg, **changes}})
 
-    def latest_reports(self, cohort: str) -> dict[str, dict[str, Any]]:
+    def latest_reports(self, cohort: str) -> dict[str, InstanceReport]:
+        """The last report of each RUNNING replica of ``cohort``, read as the controller
+        reads them."""
         live = {r["replica_id"] for r in self.rest.replicas(APP, cohort) if r["state"] == "RUNNING"}
         latest = ray.get(self.reports.get_latest.remote())
-        return {rid: rep for rid, rep in latest.items() if rid in live}
+        return {
+            rid: InstanceReport.model_validate(rep) for rid, rep in latest.items() if rid in live
+        }
 
     def wait_cohort_serving(self, cohort: str, artifact: str, revision: int, timeout=60) -> None:
         def all_there() -> bool:
@@ -265,7 +263,7 @@ class Cluster:
             expected = STABLE_REPLICAS if cohort == "stable" else 1
             assert len(reps) == expected, f"{len(reps)} reports of {expected} replicas"
             for rep in reps.values():
-                assert (rep["actual_artifact"], rep["actual_revision"]) == (artifact, revision), rep
+                assert (rep.actual_artifact, rep.actual_revision) == (artifact, revision), rep
             return True
 
         wait_until(
@@ -281,13 +279,7 @@ class Cluster:
 
 def app_args(work: Path, demo: dict[str, PackResult]) -> dict[str, Any]:
     def target(name: str) -> dict[str, Any]:
-        p = demo[name]
-        return {
-            "revision": 1,
-            "artifact_id": p.artifact_id,
-            "manifest_uri": p.manifest_uri,
-            "manifest_sha256": p.manifest_sha256,
-        }
+        return demo[name].target(1).model_dump(mode="json")
 
     return {
         "stable": {
@@ -454,12 +446,7 @@ def rollout_application(cluster: Cluster, name: str) -> Iterator[RolloutEnv]:
             "stable": {
                 "num_replicas": 1,
                 "num_cpus": 0.1,
-                "target": {
-                    "revision": stable.revision,
-                    "artifact_id": stable.artifact_id,
-                    "manifest_uri": stable.manifest_uri,
-                    "manifest_sha256": stable.manifest_sha256,
-                },
+                "target": stable.target().model_dump(mode="json"),
             },
             "canary": {"num_replicas": 1, "num_cpus": 0.1},
             "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},

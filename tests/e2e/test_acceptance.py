@@ -20,6 +20,7 @@ import pytest
 import ray
 from ray import serve
 
+from app.contracts import InstanceReport
 from app.errors import NotFound
 from app.polling import wait_until
 from app.registry import Registry, open_registry
@@ -48,11 +49,11 @@ def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
         s.close()
 
 
-def replica_report(deployment: str) -> dict[str, Any]:
+def replica_report(deployment: str) -> InstanceReport:
     """The instance report of the deployment's replica (one replica each here), asked
     directly as the router's probes do."""
     handle = serve.get_deployment_handle(deployment, app_name=ROLLOUT_APP)
-    return handle.status.remote().result(timeout_s=30)
+    return InstanceReport.model_validate(handle.status.remote().result(timeout_s=30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
     )
     report = replica_report("canary")
     s.check(
-        (report["desired_revision"], report["actual_revision"])
+        (report.desired_revision, report.actual_revision)
         == (canary_target.revision, canary_target.revision),
         f"the canary replica took the late target: {report}",
     )
@@ -248,8 +249,8 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
     s.when.wait_for_phase("paused")  # resumed where it was
     after = replica_report("canary")
     s.check(
-        (after["actual_artifact"], after["actual_revision"], after["timings"])
-        == (before["actual_artifact"], before["actual_revision"], before["timings"]),
+        (after.actual_artifact, after.actual_revision, after.timings)
+        == (before.actual_artifact, before.actual_revision, before.timings),
         f"the canary replica reloaded or moved: before {before}, after {after}",
     )
     served = (s.env.control.current_user_config(ROLLOUT_APP, "canary") or {}).get("target") or {}
@@ -297,15 +298,15 @@ def test_slow_candidate_overtaken_by_rollback_never_installs(
     newer_rev = s.env.registry.get_target("ranker", "default", "canary").revision
     s.when.wait_until(
         "canary replica desires the newer target",
-        lambda: replica_report("canary")["desired_revision"] == newer_rev,
+        lambda: replica_report("canary").desired_revision == newer_rev,
     )
     s.check(server.waiting("ranker-slow") >= 1, "the slow download was not held")
     server.release("ranker-slow")
     s.when.wait_for_phase("paused")  # the canary serves v42: ready
     report = replica_report("canary")
     s.check(
-        slow_rev in report["discarded_revisions"]
-        and (report["actual_artifact"], report["actual_revision"]) == (CANDIDATE, newer_rev),
+        slow_rev in report.discarded_revisions
+        and (report.actual_artifact, report.actual_revision) == (CANDIDATE, newer_rev),
         f"ranker-slow (rev {slow_rev}) was not discarded, or v42 not installed: {report}",
     )
     s.when.command("abort", "acceptance: done").wait_for_finish()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.contracts import InstanceReport
 from app.polling import wait_until
 from tests.e2e.harness import APP, Cluster, assert_all_ok, client_load
 
@@ -42,11 +43,11 @@ def test_hot_swap_v41_to_v42_in_place_under_load(serving: Cluster) -> None:
 def test_same_config_again_is_a_no_op(serving: Cluster) -> None:
     cluster = serving
     reports = cluster.latest_reports("stable")
-    installs_before = {rid: rep["actual_revision"] for rid, rep in reports.items()}
+    installs_before = {rid: rep.actual_revision for rid, rep in reports.items()}
     # Re-PUT the identical user_config: nothing reloads, nothing restarts.
     cluster.rest.update_user_configs(APP, {"stable": lambda cfg: cfg})
     after = cluster.latest_reports("stable")
-    assert {rid: rep["actual_revision"] for rid, rep in after.items()} == installs_before
+    assert {rid: rep.actual_revision for rid, rep in after.items()} == installs_before
 
 
 # --------------------------------------------------------------------------- bad candidates
@@ -78,9 +79,7 @@ def build_bad(cluster: Cluster, kind: str, tamper: str | None, n: int):
 
 def test_bad_candidates_leave_v41_serving_and_are_reported(serving: Cluster) -> None:
     cluster = serving
-    baseline = {
-        rid: rep["actual_revision"] for rid, rep in cluster.latest_reports("stable").items()
-    }
+    baseline = {rid: rep.actual_revision for rid, rep in cluster.latest_reports("stable").items()}
     with client_load(cluster.http_url) as load:
         for n, (kind, tamper, categories) in enumerate(BAD_CANDIDATES):
             packed = build_bad(cluster, kind, tamper, n)
@@ -91,10 +90,10 @@ def test_bad_candidates_leave_v41_serving_and_are_reported(serving: Cluster) -> 
                 reports = cluster.latest_reports("stable")
                 assert len(reports) == len(baseline)
                 for rep in reports.values():
-                    err = rep["last_error"]
-                    assert rep["phase"] == "failed" and err and err["revision"] == revision, rep
-                    assert err["category"] in categories, err
-                    assert rep["actual_artifact"] == "ranker-v41", rep
+                    err = rep.last_error
+                    assert rep.phase == "failed" and err and err.revision == revision, rep
+                    assert err.category in categories, err
+                    assert rep.actual_artifact == "ranker-v41", rep
                 return True
 
             wait_until(
@@ -136,7 +135,7 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
 
             def loading() -> bool:
                 for rep in cluster.latest_reports("stable").values():
-                    assert rep["desired_revision"] == slow_rev and rep["phase"] == "loading", rep
+                    assert rep.desired_revision == slow_rev and rep.phase == "loading", rep
                 return True
 
             wait_until(
@@ -149,7 +148,7 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
             cluster.set_target("stable", cluster.target(cluster.demo["ranker-v41"], rollback_rev))
             wait_until(
                 lambda: all(
-                    r["desired_revision"] == rollback_rev
+                    r.desired_revision == rollback_rev
                     for r in cluster.latest_reports("stable").values()
                 ),
                 30,
@@ -159,19 +158,19 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
             server.release("ranker-slow")
             cluster.wait_cohort_serving("stable", "ranker-v41", rollback_rev)
             for rep in cluster.latest_reports("stable").values():
-                assert slow_rev in rep["discarded_revisions"], rep
+                assert slow_rev in rep.discarded_revisions, rep
         assert_all_ok(load.records)
         assert "ranker-slow" not in {a.artifact_id for a in load.records}
         history = ray_history(cluster)
-        assert not [h for h in history if h["actual_artifact"] == "ranker-slow"]
+        assert not [h for h in history if h.actual_artifact == "ranker-slow"]
     finally:
         server.close()
 
 
-def ray_history(cluster: Cluster) -> list[dict]:
+def ray_history(cluster: Cluster) -> list[InstanceReport]:
     import ray
 
-    return ray.get(cluster.reports.get_history.remote())
+    return [InstanceReport.model_validate(r) for r in ray.get(cluster.reports.get_history.remote())]
 
 
 # --------------------------------------------------------------------------- router split
@@ -461,8 +460,8 @@ def test_canary_faults_show_in_its_router_metrics_and_clients_see_only_2xx(
 
         def faults_live() -> bool:
             reports = cluster.latest_reports("canary")
-            assert reports and all(r["faults"] for r in reports.values()), reports
-            assert all(r["last_error"] is None for r in reports.values()), reports
+            assert reports and all(r.faults for r in reports.values()), reports
+            assert all(r.last_error is None for r in reports.values()), reports
             return True
 
         wait_until(faults_live, 30, "faults in effect on the canary", retry_on=(Exception,))
@@ -520,10 +519,10 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
                 reports = cluster.latest_reports("stable")
                 assert len(reports) == len(before), reports
                 for rep in reports.values():
-                    err = rep["last_error"]
-                    assert err and err["category"] == "config", rep
-                    assert err["field"] == "user_config.batching.max_batch_size", err
-                    assert rep["actual_artifact"] == "ranker-v41", rep
+                    err = rep.last_error
+                    assert err and err.category == "config", rep
+                    assert err.field == "user_config.batching.max_batch_size", err
+                    assert rep.actual_artifact == "ranker-v41", rep
                 return True
 
             wait_until(
@@ -543,7 +542,7 @@ def test_an_invalid_user_config_on_serving_replicas_is_refused_not_fatal(
 
     def error_cleared() -> bool:
         reports = cluster.latest_reports("stable")
-        assert reports and all(r["last_error"] is None for r in reports.values()), reports
+        assert reports and all(r.last_error is None for r in reports.values()), reports
         return True
 
     wait_until(error_cleared, 30, "the good config clears the error", retry_on=(Exception,))
@@ -576,9 +575,9 @@ def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
                 reports = cluster.latest_reports("canary")
                 assert reports, "no canary report"
                 for rep in reports.values():
-                    assert rep["phase"] == "idle", rep
-                    assert rep["actual_revision"] is None and rep["actual_artifact"] is None, rep
-                    assert rep["desired_revision"] is None, rep
+                    assert rep.phase == "idle", rep
+                    assert rep.actual_revision is None and rep.actual_artifact is None, rep
+                    assert rep.desired_revision is None, rep
                 return True
 
             wait_until(canary_idle, 30, "canary replicas idle with no model", retry_on=(Exception,))

@@ -34,12 +34,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PackResult]:
 
 
 def target(packed: PackResult, revision: int) -> dict[str, Any]:
-    return {
-        "revision": revision,
-        "artifact_id": packed.artifact_id,
-        "manifest_uri": packed.manifest_uri,
-        "manifest_sha256": packed.manifest_sha256,
-    }
+    return packed.target(revision).model_dump(mode="json")
 
 
 def config(tmp: Path, cohort: str = "canary", **changes: Any) -> dict[str, Any]:
