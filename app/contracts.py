@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, NamedTuple, Self
+from typing import Annotated, Any, Final, Literal, NamedTuple, Self, overload
 
 import numpy as np
 from pydantic import (
@@ -53,14 +53,27 @@ MAX_WALL_CLOCK: Final = 4_102_444_800.0  # 2100-01-01 in Unix seconds
 MAX_DURATION_S: Final = 7 * 24 * 3600.0
 
 
-def _lower(value: str) -> str:
-    return value.lower()
-
-
 MAX_TEXT: Final = 4000  # characters of a message or reason
 MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
 MAX_REPORTED_REVISIONS: Final = 1000  # discarded revisions in one instance report
 MAX_BATCH_SIZE: Final = 1024  # handle calls a replica's @serve.batch may merge into one forward
+
+
+@overload
+def clip_text(text: str, limit: int = ...) -> str: ...
+@overload
+def clip_text(text: None, limit: int = ...) -> None: ...
+def clip_text(text: str | None, limit: int = MAX_TEXT) -> str | None:
+    """``text`` cut to fit a bounded field (an exception's message can be any length: a
+    state-dict mismatch lists every key), marked with "..." where it was cut."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[: limit - 3] + "..."
+
+
+def _lower(value: str) -> str:
+    return value.lower()
+
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
@@ -502,7 +515,7 @@ class HoldView(Contract):
 
 
 class VerdictView(Contract):
-    step: Annotated[int, Field(ge=-1, le=1000)]  # as RolloutSummary.step
+    step: Annotated[int, Field(ge=-1, le=BASIS_POINTS)]  # as RolloutSummary.step
     outcome: Name
     reasons: tuple[Text, ...] = ()
 
@@ -526,7 +539,8 @@ class RolloutSummary(Contract):
     baseline: Name | None = None
     phase: RolloutPhase | None = None
     finished: bool | None = None
-    step: Annotated[int, Field(ge=-1, le=1000)] | None = None  # -1 before the first step
+    step: Annotated[int, Field(ge=-1, le=BASIS_POINTS)] | None = None  # -1: before the first
+    # (a plan has at most one step per basis point of weight)
     step_percent: Annotated[float, Field(ge=0, le=100)] | None = None
     steps: tuple[float, ...] = ()
     weights: WeightsView | None = None

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
-from app.contracts import MAX_FIELD_PATH, MAX_TEXT, ErrorInfo, ReplicaPhase, RetryConfig, Target
+from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
 from app.errors import ArtifactRejected
 
 log = logging.getLogger(__name__)
@@ -77,15 +77,11 @@ def clipped_error(
     lists every key, and reporting a failure must not fail itself."""
     return ErrorInfo(
         category=category,
-        message=_clip(message, MAX_TEXT),
+        message=clip_text(message),
         artifact_id=artifact_id,
         revision=revision,
-        field=None if field is None else _clip(field, MAX_FIELD_PATH),
+        field=clip_text(field, MAX_FIELD_PATH),
     )
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_retryable(exc: BaseException) -> bool:

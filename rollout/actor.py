@@ -60,10 +60,16 @@ class RolloutController:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.tick_interval_s):
-            try:
-                if self.repaired is None:
-                    # Serve may not be up yet when the controller starts: retry until it is.
+            if self.repaired is None:
+                # Serve may not be up yet when the controller starts: retry until it is. A
+                # repair Serve refuses (a deployed user_config no replica accepts) is retried
+                # too, and does not stop the ticks: the rollout still holds or ends by its rules.
+                try:
                     self.repaired = self.engine.reconcile_serve()
+                except Exception as exc:
+                    self.engine.errors.append(f"drift repair: {type(exc).__name__}: {exc}")
+                    log.warning("drift repair failed (retried next tick): %s", exc)
+            try:
                 self.engine.tick()
                 self._ticks += 1
             except Exception as exc:  # the loop must outlive any one bad tick

@@ -402,15 +402,22 @@ class RolloutEngine:
 
     def _act(self, actions: Sequence[Action], state: RolloutState) -> None:
         """Carry the actions out in order. Serve changes are gathered and sent as one write
-        until a weight change or a registry publish comes: what was gathered goes first."""
+        until a weight change or a registry publish comes: what was gathered goes first.
+        Audit records follow the writes before them."""
         reason = f"rollout {state.rollout_id}"
         pending = ServeChange()
+        # An audit record says what the actions before it did: it is recorded once they are
+        # done, so a write that fails leaves no record of it (the replay records it).
+        audits: list[RecordAudit] = []
 
         def send() -> None:
             nonlocal pending
             if pending:
                 self.serve.write(pending)
             pending = ServeChange()
+            for audit in audits:
+                self._event(audit.event, audit.message, key=audit.key)
+            audits.clear()
 
         for action in actions:
             match action:
@@ -432,8 +439,8 @@ class RolloutEngine:
                         pending = pending.then(ServeChange(targets={STABLE: target.target()}))
                 case ScaleCanary(replicas=n):
                     pending = pending.then(ServeChange(canary_replicas=n))
-                case RecordAudit(key=key, event=event, message=message):
-                    self._event(event, message, key=key)
+                case RecordAudit():
+                    audits.append(action)
                 case Alert(severity=severity, message=message):
                     self.alerts.append(f"{severity}: {message}")
                     log.warning("ALERT %s: %s", severity, message)

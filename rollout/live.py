@@ -15,10 +15,9 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from app.contracts import CANARY, STABLE, RolloutEvent
+from app.contracts import CANARY, MAX_TEXT, STABLE, RolloutEvent, clip_text
 from app.registry import Registry, RolloutRecord
 from rollout.state import RolloutState, Weights
-from rollout.status_view import TEXT_LIMIT, clip
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,12 @@ class LiveRollout:
         produces the same keys)."""
         if key is not None and any(e.key == key for e in self.events):
             return False
-        fields: dict[str, Any] = {"key": key, "event": event, "message": clip(message), "at": at}
+        fields: dict[str, Any] = {
+            "key": key,
+            "event": event,
+            "message": clip_text(message),
+            "at": at,
+        }
         if canary_bp is not None:
             fields["canary_bp"] = canary_bp  # only weight events carry it
         self.events.append(RolloutEvent(**fields))
@@ -119,5 +123,5 @@ def _load_events(raw: Sequence[Mapping[str, Any]]) -> list[RolloutEvent]:
         try:
             events.append(RolloutEvent.model_validate(entry))
         except ValidationError as exc:
-            log.warning("persisted event left out: %s", str(exc).splitlines()[0][:TEXT_LIMIT])
+            log.warning("persisted event left out: %s", str(exc).splitlines()[0][:MAX_TEXT])
     return events

@@ -27,20 +27,13 @@ from app.contracts import (
     VerdictView,
     WeightsView,
     WindowView,
+    clip_text,
 )
 from rollout.analysis import CohortStats, WindowStats
 from rollout.state import RolloutState
 
-TEXT_LIMIT: Final = 4000  # the contracts' bound on one text field
 SHOWN_EVENTS: Final = 10  # of a rollout's events, the latest this many
 SHOWN_NOTES: Final = 10  # alerts and errors
-
-
-def clip(text: str | None) -> str | None:
-    """Text within the contracts' bound (an exception's message can be any length)."""
-    if text is None or len(text) <= TEXT_LIMIT:
-        return text
-    return text[: TEXT_LIMIT - 3] + "..."
 
 
 def wire(view: BaseModel) -> dict[str, Any]:
@@ -74,16 +67,16 @@ def rollout_summary(
         steps=tuple(state.plan.steps),
         weights=WeightsView(stable_bp=state.weights.stable_bp, canary_bp=state.weights.canary_bp),
         failed_checks=state.failed_checks,
-        reason=clip(state.reason),
+        reason=clip_text(state.reason),
         pending_gate=state.pending_gate,
         held=None
         if held_since is None
-        else HoldView(since=held_since, reason=clip(held_reason) or ""),
+        else HoldView(since=held_since, reason=clip_text(held_reason) or ""),
         verdicts=tuple(
             VerdictView(
                 step=v.step_index,
                 outcome=v.outcome.value,
-                reasons=tuple(clip(r) or "" for r in v.reasons),
+                reasons=tuple(clip_text(r) or "" for r in v.reasons),
             )
             for v in state.verdicts
         ),
@@ -100,7 +93,7 @@ def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[Rep
             desired=r.desired_artifact,
             actual=r.actual_artifact,
             actual_revision=r.actual_revision,
-            error=clip(r.last_error.describe()) if r.last_error is not None else None,
+            error=clip_text(r.last_error.describe()) if r.last_error is not None else None,
             age_s=round(now - r.heartbeat, 1),
         )
         for replica_id, r in reports.items()
@@ -145,8 +138,8 @@ def controller_status(
         targets=None if targets is None else tuple(targets),
         replicas=replica_rows(reports, now),
         last_window=None if last_window is None else window_view(last_window),
-        alerts=tuple(clip(a) or "" for a in list(alerts)[-SHOWN_NOTES:]),
-        errors=tuple(clip(e) or "" for e in list(errors)[-SHOWN_NOTES:]),
+        alerts=tuple(clip_text(a) or "" for a in list(alerts)[-SHOWN_NOTES:]),
+        errors=tuple(clip_text(e) or "" for e in list(errors)[-SHOWN_NOTES:]),
     )
 
 

@@ -94,9 +94,11 @@ class TargetBook:
         (updated here to what the registry holds now), as conflict reasons; ``ours`` is what
         the rollout itself last set per cohort (its own write just before a restart is no
         conflict). A cohort not in ``known`` yet is only recorded."""
+        # Both cohorts are read before anything is noted: a read that fails part-way leaves
+        # ``known`` as it was, so the next tick finds the same conflict again.
+        currents = {cohort: self.current(cohort) for cohort in COHORTS}
         reasons = []
-        for cohort in COHORTS:
-            current = self.current(cohort)
+        for cohort, current in currents.items():
             revision = current.revision if current else 0
             last = known.get(cohort)
             known[cohort] = revision

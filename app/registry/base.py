@@ -20,12 +20,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Final, Literal, Protocol, Self
+from typing import Any, Final, Literal, Protocol, Self, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from app.contracts import PublishedTarget, Target
 from app.errors import ConsistencyError
 
 ArtifactState = Literal["pending", "ready", "rejected"]
+
+M = TypeVar("M", bound=BaseModel)
 
 ARTIFACT_STATES: Final[tuple[str, ...]] = ("pending", "ready", "rejected")
 
@@ -83,17 +87,25 @@ class TargetRecord(_Record):
 
     def published(self) -> PublishedTarget:
         """The record as the controller shows it (``rollout status``)."""
-        return PublishedTarget.model_validate(self.to_dict())
+        return self._as(PublishedTarget, self.to_dict())
 
     def target(self) -> Target:
         """What a replica of the cohort is given in its user_config."""
-        return Target(
-            revision=self.revision,
-            artifact_id=self.artifact_id,
-            manifest_uri=self.manifest_uri,
-            manifest_sha256=self.manifest_sha256,
-            feature_schema=self.feature_schema,
-        )
+        fields = {name: getattr(self, name) for name in Target.model_fields}
+        return self._as(Target, fields)
+
+    def _as(self, model: type[M], fields: dict[str, Any]) -> M:
+        # A row the contract refuses (say a URI longer than any replica accepts) is the
+        # registry's inconsistency, refused as one, not a crash of whoever read it.
+        try:
+            return model.model_validate(fields)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise ConsistencyError(
+                f"{self.cohort} target {self.artifact_id!r} (revision {self.revision}) is not a "
+                f"valid target: {where}: {first.get('msg')}"
+            ) from None
 
 
 @dataclass(frozen=True)

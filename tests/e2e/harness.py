@@ -242,7 +242,7 @@ class Cluster:
         self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "target": target}})
 
     def set_faults(self, cohort: str, faults: dict[str, float] | None) -> None:
-        """Inject (or, with None, remove) faults in a cohort's rank calls (app.replica)."""
+        """Inject (or, with None, remove) faults in a cohort's rank calls (app.faults)."""
         self.rest.update_user_configs(APP, {cohort: lambda cfg: {**cfg, "faults": faults}})
 
     def set_router(self, **changes: Any) -> None:

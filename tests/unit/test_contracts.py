@@ -157,3 +157,35 @@ def test_terminal_phases_are_the_enum_s_terminal_members() -> None:
     terminal = {p.value for p in RolloutPhase if p.is_terminal}
     assert terminal == contracts.TERMINAL_ROLLOUT_PHASES
     assert terminal == {"succeeded", "rolled_back", "failed", "aborted"}
+
+
+def test_a_registry_row_the_contract_refuses_is_a_consistency_error() -> None:
+    from datetime import UTC, datetime
+
+    from app.errors import ConsistencyError
+    from app.registry import TargetRecord
+
+    row = TargetRecord(
+        model="ranker",
+        environment="default",
+        cohort="canary",
+        revision=4,
+        artifact_id="ranker-v42",
+        manifest_uri="s3://b/" + "x" * 5000,
+        manifest_sha256=SHA,
+        feature_schema="ranker-features-v3",
+        updated_at=datetime(2030, 1, 1, tzinfo=UTC),
+    )
+    for read in (row.target, row.published):
+        with pytest.raises(ConsistencyError, match=r"canary target 'ranker-v42' .*manifest_uri"):
+            read()
+    fine = TargetRecord(**{**row.__dict__, "manifest_uri": "s3://b/m.json"})
+    assert fine.target().manifest_sha256 == SHA.lower()
+    assert fine.published().updated_at.startswith("2030-01-01")
+
+
+def test_text_is_clipped_to_fit_its_field() -> None:
+    assert contracts.clip_text("abc") == "abc" and contracts.clip_text(None) is None
+    long = contracts.clip_text("y" * 10_000)
+    assert len(long) == contracts.MAX_TEXT and long.endswith("...")
+    assert contracts.ErrorInfo(category="c", message=long).message == long

@@ -12,12 +12,16 @@ from typing import Any
 import pytest
 
 from app.contracts import CommandAccepted, ControllerSettings, InstanceReport, ReplicaPhase
+from app.errors import RegistryUnavailable
+from app.polling import wait_until
 from app.registry import Registry, open_registry
+from rollout.actor import RolloutController
 from rollout.analysis import CohortStats, WindowStats
 from rollout.engine import RolloutEngine
+from rollout.local_cluster import free_port
 from rollout.machine import Abort
 from rollout.plan import RolloutPlan
-from rollout.serve_control import ServeControl
+from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.serve_port import HttpServePort
 from rollout.status_view import wire
 from tests.integration.manifests import write_manifest
@@ -285,3 +289,87 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     # The events persisted with the state are the same dicts.
     record = registry.list_rollouts("ranker", "default", limit=1)[0]
     assert record.state["events"][-len(status["events"]) :] == status["events"]
+
+
+class CanaryReadFailsOnce:
+    """The registry, except that the next read of the canary's target fails as an outage."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self.armed = False
+
+    def get_target(self, model: str, environment: str, cohort: str, **kw: Any) -> Any:
+        if self.armed and cohort == "canary":
+            self.armed = False
+            raise RegistryUnavailable("registry down for one read")
+        return self._registry.get_target(model, environment, cohort, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._registry, name)
+
+
+def test_a_conflict_seen_by_a_tick_that_then_fails_is_seen_again(registry: Registry) -> None:
+    # Another writer moves stable; the tick that notices it cannot read canary's target. The
+    # next tick must still see the conflict and abort: nothing was noted from the half read.
+    flaky = CanaryReadFailsOnce(registry)
+    world = World(flaky)  # type: ignore[arg-type]
+    world.replicas_report()
+    gated = RolloutPlan.model_validate(
+        {**PLAN.model_dump(), "gates": {"pause_before_promotion": True}}
+    )
+    world.engine.start_rollout(V42, gated)
+    for _ in range(30):
+        if world.tick().phase == "paused":
+            break
+    current = registry.get_target("ranker", "default", "stable")
+    registry.publish(
+        "ranker", "default", "stable", V42, current.revision, actor="someone", reason="x"
+    )
+    flaky.armed = True
+    held = world.tick()
+    assert held.held is not None and held.phase == "paused"
+
+    summary = world.run()
+
+    assert summary.phase == "aborted" and "moved the stable target" in summary.reason
+
+
+def test_an_audit_record_waits_for_the_writes_before_it(registry: Registry) -> None:
+    # The tick that ends a rollout clears the canary (one write) and then records "finished".
+    # Every write is refused once: a refused tick records nothing of what it did not do, and
+    # "finished" is recorded once, by the tick whose cleanup went through.
+    world = World(registry)
+    world.replicas_report()
+    world.engine.start_rollout(V42, PLAN)
+    for _ in range(60):
+        if world.tick().phase == "finalising":
+            break
+    for _ in range(60):
+        world.serve.write_errors.append(ServeUnreachable("dashboard down"))
+        refused = world.tick()
+        if not world.serve.write_errors:  # the tick wrote, and was refused
+            assert not refused.finished
+            assert "finished" not in [e.event for e in world.engine.live.events]
+        world.serve.write_errors.clear()
+        if world.tick().finished:
+            break
+    events = [e.event for e in world.engine.live.events]
+    assert events.count("finished") == 1 and events[-1] == "finished"
+    assert world.serve.target("canary") is None
+
+
+def test_a_failed_drift_repair_does_not_stop_the_ticks(tmp_path: Path) -> None:
+    # The actor's loop, run as a plain object: the dashboard refuses every connection, so
+    # the repair fails on every pass, and the ticks (which hold, serving untouched) go on.
+    settings = ControllerSettings(
+        registry_url=f"sqlite:///{tmp_path / 'registry.db'}",
+        dashboard_url=f"http://127.0.0.1:{free_port()}",
+        tick_interval_s=0.02,
+    )
+    controller = RolloutController(settings.model_dump())
+    try:
+        wait_until(lambda: controller._ticks >= 3, 30, "three ticks", every=0.02)
+        assert controller.repaired is None
+        assert any(e.startswith("drift repair: ServeUnreachable") for e in controller.engine.errors)
+    finally:
+        controller.stop()
