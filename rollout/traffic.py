@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from app.client import AsyncRankerClient, RankerHTTPError, RetriesExhausted, RetryPolicy
+from app.contracts import CANARY, COHORTS
 from app.features import CONTEXT_FIELDS, NUM_FEATURES
 
 
@@ -370,8 +371,8 @@ def plot_timeline(
         answered = [r for r in window if r.cohort]
         if answered:
             share_t.append(lo + bin_s / 2)
-            share_v.append(100.0 * sum(r.cohort == "canary" for r in answered) / len(answered))
-        for cohort in ("stable", "canary"):
+            share_v.append(100.0 * sum(r.cohort == CANARY for r in answered) / len(answered))
+        for cohort in COHORTS:
             values = [r.latency_ms for r in answered if r.cohort == cohort]
             ts, p50, p99 = lat[cohort]
             ts.append(lo + bin_s / 2)
