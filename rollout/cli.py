@@ -31,36 +31,21 @@ from app.contracts import (
 from app.errors import (
     ArtifactRejected,
     ConfigError,
-    InvalidState,
     NotFound,
-    RegistryError,
-    RevisionConflict,
     RolloutSystemError,
 )
 from app.manifest import Architecture, is_sha256_hex
+from rollout.exit_codes import (
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_UNEXPECTED,
+    EXIT_USAGE,
+    error_line,
+    exit_code_for,
+)
 from rollout.status_view import render_status
 
-EXIT_OK: Final = 0
-EXIT_UNEXPECTED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_REJECTED: Final = 3
-EXIT_CONFLICT: Final = 4
-EXIT_NOT_FOUND: Final = 5
-EXIT_CONFIG: Final = 6
-
 DEFAULT_CACHE_DIR: Final = "var/cache"
-
-
-def exit_code_for(error: RolloutSystemError) -> int:
-    if isinstance(error, ArtifactRejected):
-        return EXIT_REJECTED
-    if isinstance(error, RevisionConflict):
-        return EXIT_CONFLICT
-    if isinstance(error, ConfigError):
-        return EXIT_CONFIG
-    if isinstance(error, NotFound | InvalidState | RegistryError):
-        return EXIT_NOT_FOUND
-    return EXIT_UNEXPECTED
 
 
 def emit(payload: dict[str, Any]) -> None:
@@ -485,7 +470,9 @@ _register_subcommands()
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+        # Without standalone mode click returns what a command passed to ``ctx.exit`` (the
+        # registry commands and the demo end that way) instead of exiting: it is the code.
+        code = cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:
@@ -502,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the same type, whose str() carries the remote traceback: show the cause's message.
         cause = getattr(exc, "cause", None)
         message = str(cause) if isinstance(cause, RolloutSystemError) else str(exc)
-        click.echo(f"error[{exc.category}]: {message}", err=True)
+        click.echo(error_line(exc.category, message), err=True)
         return exit_code_for(exc)
     except OSError as exc:
         click.echo(f"error[io]: {exc}", err=True)
@@ -513,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = ".".join(str(p) for p in first.get("loc", ()))
         click.echo(f"error[contract]: {exc.title}.{where}: {first.get('msg')}", err=True)
         return EXIT_UNEXPECTED
-    return EXIT_OK
+    return code if isinstance(code, int) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import click
 
@@ -36,17 +36,8 @@ from app.registry import (
     TargetRecord,
     open_registry,
 )
+from rollout.exit_codes import EXIT_REJECTED, error_line, exit_code_for
 
-EXIT_FAILURE: Final = 1
-EXIT_REJECTED: Final = 3
-EXIT_CONFLICT: Final = 4
-EXIT_NOT_FOUND: Final = 5
-_EXIT_BY_CATEGORY: Final = {
-    "registry.conflict": EXIT_CONFLICT,
-    "registry.not_found": EXIT_NOT_FOUND,
-    "registry.invalid_state": EXIT_NOT_FOUND,
-    "registry.digest_mismatch": EXIT_NOT_FOUND,
-}
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@]+):[^@/]*@")
 
 
@@ -150,9 +141,9 @@ class _RegistryGroup(click.Group):
             ctx.exit(EXIT_REJECTED)
         except RolloutSystemError as exc:
             # A RevisionConflict's message names the current revision already.
-            click.echo(f"error[{exc.category}]: {exc}", err=True)
+            click.echo(error_line(exc.category, str(exc)), err=True)
             _json_error(ctx, exc)
-            ctx.exit(_EXIT_BY_CATEGORY.get(exc.category, EXIT_FAILURE))
+            ctx.exit(exit_code_for(exc))
 
 
 def _json_error(ctx: click.Context, exc: RolloutSystemError) -> None:
