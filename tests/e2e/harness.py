@@ -127,16 +127,19 @@ def rank_body(user: str | None = None, n: int = 8, top_n: int = 5) -> dict[str, 
 
 
 @contextmanager
-def client_load(url: str, *, concurrency: int = 4, users: int = 200) -> Iterator[TrafficRun]:
+def client_load(
+    url: str, *, concurrency: int = 4, users: int = 200, rate: float | None = None
+) -> Iterator[TrafficRun]:
     """Closed-loop rank requests (``concurrency`` workers, each sending its next request when
-    the previous answer came) from a background thread while the block runs, once 5 answers
-    came back. A plain client, no retries: every non-2xx the service returns is recorded.
+    the previous answer came), or open-loop at ``rate`` requests/s when it is given, from a
+    background thread while the block runs, once 5 answers came back. A plain client, no
+    retries: every non-2xx the service returns is recorded.
 
     Requests as ``rank_body`` makes them (8 candidates, top 5) from ``users`` keyed users;
     bounded only far beyond what a test runs (pytest's own timeout is 600 s)."""
     spec = TrafficSpec(
         url=url,
-        rate=None,
+        rate=rate,
         concurrency=concurrency,
         max_requests=1_000_000,
         max_seconds=600,
