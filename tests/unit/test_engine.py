@@ -135,6 +135,19 @@ class World:
         raise AssertionError(f"not finished after {ticks} ticks: {summary}")
 
 
+def pause_at_the_promotion_gate(world: World) -> None:
+    """Start a rollout of v42 whose plan pauses before promotion, and tick until it does."""
+    world.replicas_report()
+    gated = RolloutPlan.model_validate(
+        {**PLAN.model_dump(), "gates": {"pause_before_promotion": True}}
+    )
+    world.engine.start_rollout(V42, gated)
+    for _ in range(30):
+        if world.tick().phase == "paused":
+            return
+    raise AssertionError("not paused at the promotion gate after 30 ticks")
+
+
 def test_a_full_rollout_to_promotion(registry: Registry) -> None:
     world = World(registry)
     world.replicas_report()
@@ -235,14 +248,7 @@ def test_another_writer_moving_a_target_aborts_without_overwriting_it(
     registry: Registry,
 ) -> None:
     world = World(registry)
-    world.replicas_report()
-    gated = RolloutPlan.model_validate(
-        {**PLAN.model_dump(), "gates": {"pause_before_promotion": True}}
-    )
-    world.engine.start_rollout(V42, gated)
-    for _ in range(30):
-        if world.tick().phase == "paused":
-            break
+    pause_at_the_promotion_gate(world)
     current = registry.get_target("ranker", "default", "canary")
     theirs = registry.publish(
         "ranker", "default", "canary", V41, current.revision, actor="someone", reason="x"
@@ -313,14 +319,7 @@ def test_a_conflict_seen_by_a_tick_that_then_fails_is_seen_again(registry: Regis
     # next tick must still see the conflict and abort: nothing was noted from the half read.
     flaky = CanaryReadFailsOnce(registry)
     world = World(flaky)  # type: ignore[arg-type]
-    world.replicas_report()
-    gated = RolloutPlan.model_validate(
-        {**PLAN.model_dump(), "gates": {"pause_before_promotion": True}}
-    )
-    world.engine.start_rollout(V42, gated)
-    for _ in range(30):
-        if world.tick().phase == "paused":
-            break
+    pause_at_the_promotion_gate(world)
     current = registry.get_target("ranker", "default", "stable")
     registry.publish(
         "ranker", "default", "stable", V42, current.revision, actor="someone", reason="x"
