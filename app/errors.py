@@ -11,6 +11,9 @@ Hierarchy::
     │                                   (category: manifest_digest, path, limits, missing,
     │                                   extra, size, digest, schema, runtime, signature,
     │                                   load, dry_run, budget)
+    ├── FetchFailed                     the artifact store could not be read (connection
+    │                                   refused, timeout, missing driver): nothing was
+    │                                   judged about the artifact, retry (category: fetch)
     ├── RegistryError                   the model registry refused an operation
     │   ├── NotFound                    unknown model / artifact / target / rollout
     │   ├── InvalidState                e.g. publishing an artifact that is not ``ready``
@@ -70,6 +73,22 @@ class ArtifactRejected(RolloutSystemError):
 
     def __str__(self) -> str:
         return f"{self.category}: {self.detail}"
+
+
+class FetchFailed(RolloutSystemError):
+    """The bytes could not be fetched: a transport failure, not a verdict on the artifact.
+
+    Distinct from ``ArtifactRejected`` so that retries, exit codes and alerts can tell "the
+    store is down" from "the artifact is bad"."""
+
+    category = "fetch"
+
+    def __init__(self, detail: str, *, uri: str | None = None) -> None:
+        super().__init__(detail, uri=uri)
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"fetch: {self.detail}"
 
 
 class ConfigError(RolloutSystemError):

@@ -34,7 +34,7 @@ from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ class Decision(StrEnum):
 
 
 def error_info(exc: BaseException, target: Target | None) -> ErrorInfo:
-    """What a failed load reports: the rejection's category (else the exception's type) and
+    """What a failed load reports: the error's category (else the exception's type) and
     its message, with the target it was about."""
-    category = exc.category if isinstance(exc, ArtifactRejected) else type(exc).__name__
+    category = exc.category if isinstance(exc, RolloutSystemError) else type(exc).__name__
     return clipped_error(
         category,
         str(exc),
@@ -87,7 +87,7 @@ def clipped_error(
 def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, ArtifactRejected):
         return exc.category in RETRYABLE_CATEGORIES
-    return isinstance(exc, OSError | TimeoutError | ConnectionError)
+    return isinstance(exc, FetchFailed | OSError | TimeoutError | ConnectionError)
 
 
 @dataclass(frozen=True)

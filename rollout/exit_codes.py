@@ -1,8 +1,8 @@
 """The exit codes of every ``rollout`` command, in one table.
 
 Scripts and pipelines key on them: a lost compare-and-set (4) is re-read and decided again, an
-unavailable registry or Serve (7) is retried, a rejected artifact (3) is not. The README lists
-the same table; tests run the installed binary against it.
+unavailable registry, Serve or artifact store (7) is retried, a rejected artifact (3) is not.
+The README lists the same table; tests run the installed binary against it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Final
 from app.errors import (
     ArtifactRejected,
     ConfigError,
+    FetchFailed,
     InvalidState,
     NotFound,
     RegistryError,
@@ -28,7 +29,7 @@ EXIT_REJECTED: Final = 3  # the artifact was refused by verification
 EXIT_CONFLICT: Final = 4  # a compare-and-set lost: nothing changed, re-read and decide
 EXIT_NOT_FOUND: Final = 5  # not found, or not in a state that allows it
 EXIT_CONFIG: Final = 6  # a configuration the command cannot use
-EXIT_UNAVAILABLE: Final = 7  # the registry or Serve is out of reach: retry later
+EXIT_UNAVAILABLE: Final = 7  # the registry, Serve or the artifact store is out of reach: retry
 
 
 def exit_code_for(error: RolloutSystemError) -> int:
@@ -38,7 +39,7 @@ def exit_code_for(error: RolloutSystemError) -> int:
         return EXIT_CONFLICT
     if isinstance(error, ConfigError):
         return EXIT_CONFIG
-    if isinstance(error, RegistryUnavailable | ServeUnreachable):
+    if isinstance(error, RegistryUnavailable | ServeUnreachable | FetchFailed):
         return EXIT_UNAVAILABLE
     if isinstance(error, NotFound | InvalidState | RegistryError):
         return EXIT_NOT_FOUND
