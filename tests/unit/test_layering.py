@@ -24,6 +24,7 @@ PURE_MODULES = (
     "app.manifest",
     "app.generations",
     "app.contracts",
+    "app.safe_text",
     "rollout.plan",
     "rollout.state",
     "rollout.machine",
