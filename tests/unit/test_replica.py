@@ -85,6 +85,12 @@ def test_an_invalid_first_config_raises(replica: RankerReplica, tmp_path: Path) 
         ({"target": {"revision": "six"}}, "user_config.target.revision"),
         ({"cohort": "stable"}, "user_config.cohort"),
         ({"loading": {"cpu_share": 0}}, "user_config.loading.cpu_share"),
+        # These once killed the reporter thread and the reconciler's worker (a wait overflow).
+        ({"report_interval_s": 1e12}, "user_config.report_interval_s"),
+        (
+            {"retry": {"initial_s": 0.01, "cap_s": 1e12, "max_attempts": 2}},
+            "user_config.retry.cap_s",
+        ),
     ],
 )
 def test_an_invalid_config_on_a_serving_replica_is_refused_not_raised(
