@@ -117,8 +117,11 @@ class ReportStore:
         return report
 
     def _refuse(self, raw: Any, why: str) -> None:
-        sender = raw.get("replica_id") if isinstance(raw, Mapping) else None
-        shown = clip_text(repr(sender), SHOWN_CHARS)
+        try:
+            sender = raw.get("replica_id") if isinstance(raw, Mapping) else None
+            shown = clip_text(repr(sender), SHOWN_CHARS)
+        except Exception:  # the same foreign mapping that could not be read
+            shown = "(unreadable)"
         why = clip_text(why, 2 * SHOWN_CHARS)
         with self._lock:
             self._refused += 1
@@ -193,7 +196,8 @@ class ReportStore:
             except Exception as exc:  # one report must not stop the tick
                 log.exception("persist report of %s failed", replica_id)
                 on_error(f"persist report of {replica_id}: {type(exc).__name__}: {exc}")
-                continue
+                # Not retried until the report changes (a heartbeat does every
+                # HEARTBEAT_PERSIST_S): the same report would fail the same way every tick.
             self._persisted[replica_id] = fingerprint
 
 

@@ -268,9 +268,42 @@ def test_one_report_the_registry_cannot_file_does_not_stop_the_others() -> None:
     store.receive(report("c0", heartbeat=NOW))
     store.receive(report("c1", heartbeat=NOW))
 
-    store.persist_changed(registry, model="ranker", environment="default", on_error=errors.append)  # type: ignore[arg-type]
+    def persist() -> None:
+        store.persist_changed(
+            registry, model="ranker", environment="default", on_error=errors.append
+        )  # type: ignore[arg-type]
+
+    persist()
 
     assert [r.replica_id for r in registry.upserted] == ["c1"]
     assert errors == [
         "persist report of c0: OverflowError: timestamp out of range for the database"
     ]
+    # The same report is not tried again every tick; a changed one is.
+    persist()
+    assert len(errors) == 1
+    store.receive(report("c0", heartbeat=NOW, seq=2, phase="failed"))
+    persist()
+    assert len(errors) == 2
+
+
+def test_a_mapping_that_cannot_be_read_is_refused() -> None:
+    class Hostile(dict):  # type: ignore[type-arg]
+        def get(self, *args: Any) -> Any:
+            raise RuntimeError("no")
+
+        def __getitem__(self, key: Any) -> Any:
+            raise RuntimeError("no")
+
+        def items(self) -> Any:
+            raise RuntimeError("no")
+
+        def keys(self) -> Any:
+            raise RuntimeError("no")
+
+        def __iter__(self) -> Any:
+            raise RuntimeError("no")
+
+    store = at()
+    assert store.receive(Hostile(report(heartbeat=NOW))) is None
+    assert store.refused == 1
