@@ -542,7 +542,8 @@ class Reconciler(Generic[M]):
             self._name,
             describe_target(target),
             attempt,
-            error.describe(),
+            # A system error's message already starts with its category.
+            error.message if error.message.startswith(f"{error.category}:") else error.describe(),
         )
         self._emit(event)
 
