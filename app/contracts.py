@@ -434,6 +434,14 @@ class InstanceReport(Contract):
     capacity: Capacity = Capacity()
     heartbeat: WallClock  # wall clock (time.time()) of the report
     seq: Annotated[int, Field(ge=0, le=MAX_REVISION)]  # grows with every report of a replica
+    # Which run of the replica's reporter counted ``seq`` (a random id it picks at start): a
+    # restarted replica counts from 1 again, so seq orders reports of one incarnation only.
+    # None (an older sender): the pid stands in for it.
+    incarnation: Name | None = None
+    # Background threads (the reconciler's worker, the reporter) that died of an unexpected
+    # error and were restarted, and the last such error (category "internal").
+    thread_restarts: Annotated[int, Field(ge=0, le=MAX_REVISION)] = 0
+    thread_crash: ErrorInfo | None = None
     # The refused or partly ignored current user_config, if any (category "config", field).
     config_error: ErrorInfo | None = None
     # Fault injection in effect (tests only; None when off or not allowed here).
@@ -593,6 +601,9 @@ class ControllerStatus(RolloutSummary):
     last_window: WindowView | None = None
     alerts: tuple[Text, ...] = ()
     errors: tuple[Text, ...] = ()
+    # Instance reports refused where they arrived (invalid, or a heartbeat too far ahead of
+    # the controller's clock) since the controller started (rollout.reports.ReportStore).
+    reports_refused: Annotated[int, Field(ge=0)] = 0
 
 
 class ControllerPing(ControllerSettings):

@@ -15,7 +15,14 @@ makes it so. Rules:
   schema stays wrong); either way the serving generation is untouched;
 - ``clear`` (the target was removed: an idle pool) drops pending work, discards a load in
   progress when it finishes, and retires the serving generation (``TargetLoader.retire``).
-  The cleared target's revision stays the floor: a lower revision afterwards is still late.
+  The cleared target's revision stays the floor: a lower revision afterwards is still late;
+- the worker never dies silently: an error nothing expected (a bug, a dependency failing in a
+  way no load failure does) restarts it after a short, growing pause; the restart is logged,
+  counted and kept as ``worker_crash`` (category ``internal``), and the pending target is
+  taken up again;
+- what a failure says never carries a secret of the target's ``manifest_uri`` (its userinfo
+  password, presigned query values): reports and log lines show it redacted
+  (``app.safe_text``), and its text is cut to the report's bounds.
 
 No Ray here: the load/install/discard steps are injected (``TargetLoader``), so unit tests run
 the real worker with a fake loader.
@@ -28,6 +35,7 @@ import os
 import random
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -35,6 +43,7 @@ from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
 from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
+from app.safe_text import redact_in, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,13 @@ M = TypeVar("M")
 # Rejections that another attempt can cure: bytes that came out short or different (a flaky
 # download) and a memory budget that frees up. Everything else about an artifact is final.
 RETRYABLE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
+# A worker that died of an unexpected error starts again after this pause, doubled for every
+# restart up to the cap: soon enough that a one-off fault costs little, slow enough that a
+# fault that recurs on every job does not spin a core or flood the log.
+RESTART_PAUSE_S: Final = 0.1
+MAX_RESTART_PAUSE_S: Final = 60.0
+# Characters of a crashed worker's traceback in its log line.
+MAX_TRACEBACK_CHARS: Final = 16_000
 
 
 class Decision(StrEnum):
@@ -54,13 +70,28 @@ class Decision(StrEnum):
 
 def error_info(exc: BaseException, target: Target | None) -> ErrorInfo:
     """What a failed load reports: the error's category (else the exception's type) and
-    its message, with the target it was about."""
+    its message, with the target it was about. The message may quote the manifest URI (a
+    transport error names the URL it failed on): its secrets are masked before the text is
+    cut, so a cut can never leave half a secret behind."""
     category = exc.category if isinstance(exc, RolloutSystemError) else type(exc).__name__
     return clipped_error(
         category,
-        str(exc),
+        safe_message(str(exc), target),
         artifact_id=target.artifact_id if target else None,
         revision=target.revision if target else None,
+    )
+
+
+def safe_message(text: str, target: Target | None) -> str:
+    """``text`` with every secret of ``target``'s manifest URI masked."""
+    return redact_in(text, target.manifest_uri) if target is not None else text
+
+
+def describe_target(target: Target) -> str:
+    """A target as log lines and messages name it: its manifest URI redacted."""
+    return (
+        f"revision {target.revision} ({target.artifact_id}, "
+        f"{clip_text(redact_uri(target.manifest_uri), 300)})"
     )
 
 
@@ -107,7 +138,9 @@ class BackoffPolicy:
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Delay after the ``attempt``-th failure (1-based)."""
-        ceiling = min(self.cap_s, self.initial_s * self.multiplier ** max(0, attempt - 1))
+        # The exponent is capped so that no attempt count can overflow the float.
+        growth = self.multiplier ** min(max(0, attempt - 1), 64)
+        ceiling = min(self.cap_s, self.initial_s * growth)
         return ceiling / 2 + rng.uniform(0, ceiling / 2)
 
 
@@ -129,7 +162,8 @@ class TargetLoader(Protocol, Generic[M]):
 @dataclass(frozen=True)
 class ReconcileEvent:
     """Something the replica reports or counts. ``kind``: accepted, unchanged, late,
-    conflict, loading, installed, discarded, retry_scheduled, failed, cleared."""
+    conflict, loading, installed, discarded, retry_scheduled, failed, cleared,
+    worker_restarted (``error``: what killed it)."""
 
     kind: str
     target: Target | None
@@ -146,6 +180,8 @@ class ReconcilerSnapshot:
     phase: ReplicaPhase
     last_error: ErrorInfo | None
     discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
+    worker_restarts: int = 0  # the worker died of an unexpected error and was restarted
+    worker_crash: ErrorInfo | None = None  # the last such error
 
 
 def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
@@ -206,6 +242,8 @@ class Reconciler(Generic[M]):
         self._busy = False  # the worker is inside a load
         self._closed = False
         self._worker: threading.Thread | None = None
+        self._worker_restarts = 0
+        self._worker_crash: ErrorInfo | None = None
         # Loads run beside live traffic on the same cores: with a positive ``worker_nice``
         # each load runs on a thread of its own at a lower priority (inherited by the threads
         # it starts, e.g. parallel downloads), so request threads win the CPU (see _run_load).
@@ -297,7 +335,7 @@ class Reconciler(Generic[M]):
             if decision is Decision.UNCHANGED and self._actual == target:
                 return
             if decision in (Decision.LATE, Decision.CONFLICT):
-                raise ValueError(f"startup target {target} is {decision.value}")
+                raise ValueError(f"startup target {describe_target(target)} is {decision.value}")
             self._desired = target
             self._work = False
             self._phase = ReplicaPhase.LOADING
@@ -322,8 +360,59 @@ class Reconciler(Generic[M]):
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._worker = threading.Thread(target=self._supervise, name=self._name, daemon=True)
             self._worker.start()
+
+    def _supervise(self) -> None:
+        """The worker thread: ``_run`` until closed, started again whenever it dies of an
+        error nothing expected (load failures never get here: ``_run`` handles them)."""
+        while True:
+            try:
+                self._run()
+                return
+            except Exception as exc:
+                pause = self._crashed(exc)
+            self._pause(pause)
+
+    def _crashed(self, exc: Exception) -> float:
+        """Record, log and announce a crash of the worker; the pause before its restart."""
+        with self._cond:
+            self._busy = False  # whatever it was inside, it is not any more
+            self._worker_restarts += 1
+            restarts = self._worker_restarts
+            desired = self._desired
+            self._cond.notify_all()
+        pause = min(MAX_RESTART_PAUSE_S, RESTART_PAUSE_S * 2 ** min(restarts - 1, 16))
+        crash = clipped_error(
+            "internal",
+            f"the {self._name} worker died and was restarted ({restarts} so far): "
+            f"{type(exc).__name__}: {safe_message(str(exc), desired)}",
+            artifact_id=desired.artifact_id if desired else None,
+            revision=desired.revision if desired else None,
+        )
+        with self._cond:
+            self._worker_crash = crash
+        trace = safe_message("".join(traceback.format_exception(exc)), desired)
+        log.error(
+            "%s: the worker died of an unexpected error; restarted in %.1f s (%d restarts): %s",
+            self._name,
+            pause,
+            restarts,
+            clip_text(trace, MAX_TRACEBACK_CHARS),
+        )
+        self._emit(ReconcileEvent("worker_restarted", desired, error=crash))
+        return pause
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (on the real clock: the injected one may be what failed), or
+        until closed."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(timeout=left)
 
     def _next_job(self) -> tuple[Target, int] | None:
         with self._cond:
@@ -448,7 +537,14 @@ class Reconciler(Generic[M]):
                 self._phase = ReplicaPhase.FAILED
                 self._last_error = error
                 event = ReconcileEvent("failed", target, error=error, attempt=attempt)
-        log.warning("%s: target %s failed (attempt %d): %s", self._name, target, attempt, error)
+        log.warning(
+            "%s: target %s failed (attempt %d): %s",
+            self._name,
+            describe_target(target),
+            attempt,
+            # A system error's message already starts with its category.
+            error.message if error.message.startswith(f"{error.category}:") else error.describe(),
+        )
         self._emit(event)
 
     def _emit(self, event: ReconcileEvent) -> None:
@@ -467,6 +563,8 @@ class Reconciler(Generic[M]):
                 phase=self._phase,
                 last_error=self._last_error,
                 discarded=tuple(self._discarded),
+                worker_restarts=self._worker_restarts,
+                worker_crash=self._worker_crash,
             )
 
     def wait_settled(self, timeout: float) -> bool:

@@ -24,7 +24,13 @@ Lifecycle:
   process environment allows it (``app.faults``); elsewhere it is ignored and reported as a
   ``config`` error.
 - Reports go to the rollout controller's named actor when one is configured; with no
-  controller the replica keeps serving and retries quietly.
+  controller the replica keeps serving and retries quietly. A background thread (the
+  reconciler's worker, the reporter) that dies of an unexpected error is restarted; the
+  report counts it (``thread_restarts``) and says why (``thread_crash``).
+- No failure it reports, logs or raises shows a secret of a manifest URI (userinfo password,
+  presigned query values): failures are redacted against the target's URI where they are
+  turned into text (``app.reconciler.error_info``), and so are refused configs and a failed
+  startup load (which Serve shows in its status).
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ from app.contracts import (
     MemoryFigures,
     ModelMeta,
     ReplicaConfig,
+    Target,
     WireAnswer,
     WireRequest,
+    clip_text,
 )
 from app.errors import ConfigError
 from app.faults import (
@@ -65,8 +73,15 @@ from app.generations import GenerationHolder, NotReady
 from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
 from app.model_loading import Candidate, ModelLoader
-from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, clipped_error
+from app.reconciler import (
+    BackoffPolicy,
+    ReconcileEvent,
+    Reconciler,
+    clipped_error,
+    safe_message,
+)
 from app.reporting import NullObserver, ReplicaObserver, Reporter, SinkFactory
+from app.safe_text import redact_in
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +90,26 @@ class ReplicaNotReady(RuntimeError):
     """No verified model is installed (an idle pool, or still starting)."""
 
     category = "serving.not_ready"
+
+
+class StartupLoadFailed(RuntimeError):
+    """The first target failed to load, and its error had to be redacted or cut to be shown
+    (Serve shows a failed reconfigure's message in its status); ``category`` is the
+    original error's."""
+
+    def __init__(self, category: str, message: str) -> None:
+        super().__init__(message)
+        self.category = category
+
+
+def uri_in(raw: Mapping[str, Any] | ReplicaConfig) -> str:
+    """The manifest URI a user_config names, as far as it can be read (a refused config is
+    not valid, so its parts are looked up by hand); "" when it names none."""
+    if isinstance(raw, ReplicaConfig):
+        return raw.target.manifest_uri if raw.target is not None else ""
+    target = raw.get("target") if isinstance(raw, Mapping) else None
+    uri = target.get("manifest_uri") if isinstance(target, Mapping) else None
+    return uri if isinstance(uri, str) else ""
 
 
 class RankerReplica:
@@ -116,7 +151,11 @@ class RankerReplica:
         # False until the first config was applied: the startup load runs unpaced.
         self._background = False
         self._fatal: BaseException | None = None
-        self._reporter = Reporter(replica_id, self.report, sink_factory)
+        self._reporter = Reporter(
+            replica_id, self.report, sink_factory, on_crash=self._thread_crashed
+        )
+        # The last error that killed a background thread (which was then restarted).
+        self._thread_crash: ErrorInfo | None = None
         # Which error is newer, a load failure or a config problem (for ``last_error``).
         self._error_seq = itertools.count(1)  # next() is atomic: event and config threads
         self._load_error_seq = 0
@@ -166,9 +205,10 @@ class RankerReplica:
         except ConfigError as exc:
             if old is None:
                 raise  # startup: Serve reports the deployment as failed, nothing serves yet
-            log.error("%s: user_config refused, keeping the current one: %s", self.replica_id, exc)
+            why = clip_text(redact_in(str(exc), uri_in(raw)))
+            log.error("%s: user_config refused, keeping the current one: %s", self.replica_id, why)
             self._set_config_error(
-                f"user_config refused, the previous one stays: {exc}",
+                f"user_config refused, the previous one stays: {why}",
                 field=str(exc.ids.get("field") or "user_config"),
             )
             return False
@@ -181,7 +221,7 @@ class RankerReplica:
         if target is not None:
             if old is None:
                 # Startup: no RUNNING replica without a verified model.
-                self._reconciler.load_blocking(target)
+                self._load_at_startup(target)
             else:
                 # A running replica (serving or idle) loads in the background; a failure is
                 # reported, never raised (it would kill the replica).
@@ -195,6 +235,22 @@ class RankerReplica:
         self._reporter.configure(new.controller, new.report_interval_s)
         self._reporter.poke()
         return True
+
+    def _load_at_startup(self, target: Target) -> None:
+        """Load the first target in this thread; a failure is raised, redacted and cut."""
+        try:
+            self._reconciler.load_blocking(target)
+        except Exception as exc:
+            shown = str(exc)
+            safe = clip_text(safe_message(shown, target))
+            if safe == shown:
+                raise
+            category = getattr(exc, "category", None)
+            log.error("%s: the startup load failed: %s", self.replica_id, safe)
+            # Not chained: the original's message is what must not be shown.
+            raise StartupLoadFailed(
+                category if isinstance(category, str) else type(exc).__name__, safe
+            ) from None
 
     def _apply_faults(self, config: ReplicaConfig) -> None:
         """Faults take effect only where the environment allows them; otherwise they are
@@ -290,6 +346,9 @@ class RankerReplica:
             ),
             heartbeat=time.time(),
             seq=self._reporter.next_seq(),
+            incarnation=self._reporter.incarnation,
+            thread_restarts=snap.worker_restarts + self._reporter.restarts,
+            thread_crash=self._thread_crash,
             config_error=self._config_error,
             faults=self._faults.active,
         )
@@ -322,8 +381,13 @@ class RankerReplica:
         for stage, seconds in candidate.timings.model_dump(exclude_none=True).items():
             self._observer.load_stage(stage, seconds, True)
 
+    def _thread_crashed(self, crash: ErrorInfo) -> None:
+        self._thread_crash = crash
+
     def _on_event(self, event: ReconcileEvent) -> None:
-        if event.kind == "installed" and event.duration_s is not None:
+        if event.kind == "worker_restarted":
+            self._thread_crash = event.error
+        elif event.kind == "installed" and event.duration_s is not None:
             self._observer.load_stage("total", event.duration_s, True)
         elif event.kind in ("failed", "retry_scheduled") and event.error is not None:
             self._load_error_seq = next(self._error_seq)

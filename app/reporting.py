@@ -6,6 +6,14 @@ one whenever its state changes and every ``report_interval_s`` besides (a heartb
 that stops coming marks the replica stale). Reports go from a thread of their own, so a slow
 or absent controller never holds up a request or a reconfigure.
 
+Each reporter is one incarnation (``incarnation``, a random id): ``seq`` counts its reports
+from 1, so the controller orders a replica's reports by seq within one incarnation only.
+
+The reporter thread never dies silently: an error nothing expected (building the report
+failed: a bug) restarts it after a short, growing pause, and the restart is logged, counted
+(``restarts``) and kept (``last_crash``, category ``internal``) for the next report, which goes
+out at once. A failing sink is expected (no controller yet, or it died) and only retried.
+
 No Ray here: the sink (``deployments.ranker.ControllerSink``) and the metrics
 (``deployments.ranker.ServeMetricsObserver``) are injected.
 """
@@ -14,12 +22,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import traceback
+import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
-from app.contracts import ControllerRef, InstanceReport
+from app.contracts import ControllerRef, ErrorInfo, InstanceReport, clip_text
 
 log = logging.getLogger(__name__)
+
+# A reporter thread that died of an unexpected error starts again after this pause, doubled
+# for every restart up to the cap (a fault that recurs must not spin a core or flood the log).
+RESTART_PAUSE_S: Final = 0.1
+MAX_RESTART_PAUSE_S: Final = 60.0
+MAX_TRACEBACK_CHARS: Final = 16_000
 
 
 class ReportSink(Protocol):
@@ -66,11 +83,20 @@ class Reporter:
     """
 
     def __init__(
-        self, name: str, build: Callable[[], InstanceReport], sink_factory: SinkFactory | None
+        self,
+        name: str,
+        build: Callable[[], InstanceReport],
+        sink_factory: SinkFactory | None,
+        *,
+        on_crash: Callable[[ErrorInfo], None] | None = None,
     ) -> None:
         self._name = name
         self._build = build
         self._sink_factory = sink_factory
+        self._on_crash = on_crash or (lambda crash: None)
+        self.incarnation = uuid.uuid4().hex
+        self._restarts = 0
+        self._last_crash: ErrorInfo | None = None
         self._cond = threading.Condition()
         self._dirty = False
         self._closed = False
@@ -86,6 +112,17 @@ class Reporter:
             self._seq += 1
             return self._seq
 
+    @property
+    def restarts(self) -> int:
+        """How often the thread died of an unexpected error and was restarted."""
+        with self._cond:
+            return self._restarts
+
+    @property
+    def last_crash(self) -> ErrorInfo | None:
+        with self._cond:
+            return self._last_crash
+
     def configure(self, controller: ControllerRef | None, interval_s: float) -> None:
         with self._cond:
             if controller != self._controller:
@@ -95,7 +132,7 @@ class Reporter:
             wanted = controller is not None and self._sink_factory is not None
             if wanted and self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, name=f"reporter-{self._name}", daemon=True
+                    target=self._supervise, name=f"reporter-{self._name}", daemon=True
                 )
                 self._thread.start()
             self._cond.notify_all()
@@ -105,6 +142,50 @@ class Reporter:
         with self._cond:
             self._dirty = True
             self._cond.notify_all()
+
+    def _supervise(self) -> None:
+        """The thread: ``_run`` until closed, started again whenever it dies of an error
+        nothing expected."""
+        while True:
+            try:
+                self._run()
+                return
+            except Exception as exc:
+                pause = self._crashed(exc)
+            deadline = time.monotonic() + pause
+            with self._cond:
+                while not self._closed and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(timeout=left)
+                self._dirty = True  # the next report says what happened
+
+    def _crashed(self, exc: Exception) -> float:
+        """Record and log a crash of the thread; the pause before its restart."""
+        with self._cond:
+            self._restarts += 1
+            restarts = self._restarts
+        pause = min(MAX_RESTART_PAUSE_S, RESTART_PAUSE_S * 2 ** min(restarts - 1, 16))
+        crash = ErrorInfo(
+            category="internal",
+            message=clip_text(
+                f"the reporter-{self._name} thread died and was restarted ({restarts} so "
+                f"far): {type(exc).__name__}: {exc}"
+            ),
+        )
+        with self._cond:
+            self._last_crash = crash
+        log.error(
+            "reporter-%s: the thread died of an unexpected error; restarted in %.1f s "
+            "(%d restarts): %s",
+            self._name,
+            pause,
+            restarts,
+            clip_text("".join(traceback.format_exception(exc)), MAX_TRACEBACK_CHARS),
+        )
+        try:
+            self._on_crash(crash)
+        except Exception:  # an observer must never stop the restart
+            log.exception("reporter-%s: crash observer failed", self._name)
+        return pause
 
     def _run(self) -> None:
         while True:
@@ -122,10 +203,13 @@ class Reporter:
         factory = self._sink_factory
         if factory is None:
             return
+        # Outside the sink's try: a report that cannot be built is a bug, not an absent
+        # controller, and goes to the supervisor (logged, counted, restarted).
+        report = self._build()
         try:
             if self._sink is None:
                 self._sink = factory(controller)
-            self._sink.send(self._build())
+            self._sink.send(report)
         except Exception as exc:
             self._sink = None
             log.debug("report to controller %s failed (will retry): %s", controller.name, exc)

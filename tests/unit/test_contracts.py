@@ -12,6 +12,7 @@ from app import contracts
 from app.contracts import (
     AppArgs,
     ControllerSettings,
+    ControllerStatus,
     InstanceReport,
     ReplicaConfig,
     ReplicaPhase,
@@ -77,6 +78,10 @@ def test_unknown_user_config_field_is_named() -> None:
         ({"cohort": "blue"}, "user_config.cohort"),
         ({"cohort": "stable", "report_interval_s": 1e12}, "user_config.report_interval_s"),
         ({"cohort": "stable", "retry": {"cap_s": 1e9}}, "user_config.retry.cap_s"),
+        ({"cohort": "stable", "retry": {"cap_s": 1e12}}, "user_config.retry.cap_s"),
+        ({"cohort": "stable", "retry": {"initial_s": 1e12}}, "user_config.retry.initial_s"),
+        ({"cohort": "stable", "report_interval_s": float("inf")}, "user_config.report_interval_s"),
+        ({"cohort": "stable", "report_interval_s": 0}, "user_config.report_interval_s"),
         ({"cohort": "stable", "cache_byte_budget": 1 << 60}, "user_config.cache_byte_budget"),
         ({"cohort": "stable", "cache_dir": "x" * 5000}, "user_config.cache_dir"),
         ({"cohort": "stable", "batching": {"max_batch_size": 4096}}, "user_config.batching"),
@@ -125,6 +130,11 @@ def test_router_weight_change_keeps_the_rest_and_is_bounded() -> None:
         {"capacity": {"memory": {"resident_bytes": -5}}},
         {"timings": {"load": 1e12}},
         {"surprise": True},
+        {"heartbeat": float("nan")},
+        {"seq": 2**60},
+        {"incarnation": "i" * 500},
+        {"thread_restarts": -1},
+        {"thread_crash": {"category": "internal", "message": "m" * 10_000}},
     ],
 )
 def test_a_report_no_replica_could_send_is_refused(changes: dict[str, Any]) -> None:
@@ -189,3 +199,10 @@ def test_text_is_clipped_to_fit_its_field() -> None:
     long = contracts.clip_text("y" * 10_000)
     assert len(long) == contracts.MAX_TEXT and long.endswith("...")
     assert contracts.ErrorInfo(category="c", message=long).message == long
+
+
+def test_the_controller_status_counts_refused_reports() -> None:
+    assert ControllerStatus().reports_refused == 0
+    assert ControllerStatus(reports_refused=3).reports_refused == 3
+    with pytest.raises(ValidationError):
+        ControllerStatus(reports_refused=-1)

@@ -5,15 +5,18 @@ Loads are held with events the test releases, never with sleeps.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from app.contracts import MAX_TEXT, ReplicaPhase, Target
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, FetchFailed
 from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
@@ -464,3 +467,128 @@ def test_a_load_beside_a_served_model_is_niced_and_one_beside_none_is_sched_idle
     # Each load had a thread of its own: the caller's and the worker's priority are untouched.
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+# --------------------------------------------------------------------------- a worker that dies
+
+
+class FailsOnce:
+    """A dependency (the clock, the jitter source) whose first call from the worker raises
+    an error nothing expects; every later call works."""
+
+    def __init__(self, works: Callable[..., float]) -> None:
+        self.works = works
+        self.armed = threading.Event()  # the test arms it once the worker is the caller
+
+    def __call__(self, *args: float) -> float:
+        if self.armed.is_set():
+            self.armed.clear()
+            raise RuntimeError("a bug nobody expected")
+        return self.works(*args)
+
+
+class FlakyJitter(random.Random):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.fail = FailsOnce(super().uniform)
+
+    def uniform(self, a: float, b: float) -> float:
+        return self.fail(a, b)
+
+
+def worker_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name and t.is_alive()]
+
+
+def test_a_worker_killed_by_an_unexpected_error_is_restarted_and_says_so(caplog) -> None:
+    clock = FailsOnce(time.monotonic)
+    loader = GatedLoader()
+    events: list[ReconcileEvent] = []
+    rec = Reconciler(loader, policy=FAST, on_event=events.append, clock=clock, name="rec-x")
+    rec.load_blocking(target(1))
+    clock.armed.set()  # the worker's first look at the clock (for the next job) raises
+    with caplog.at_level(logging.ERROR, logger="app.reconciler"):
+        rec.submit(target(2, "b"))
+        assert rec.wait_settled(WAIT_S)
+
+    snap = rec.snapshot()
+    assert snap.actual == target(2, "b") and snap.phase is ReplicaPhase.READY
+    assert snap.worker_restarts == 1
+    assert snap.worker_crash is not None and snap.worker_crash.category == "internal"
+    assert "RuntimeError: a bug nobody expected" in snap.worker_crash.message
+    assert [e.kind for e in events if e.kind == "worker_restarted"] == ["worker_restarted"]
+    [line] = [r for r in caplog.records if "restarted" in r.getMessage()]
+    assert "rec-x" in line.getMessage() and "a bug nobody expected" in line.getMessage()
+    assert len(worker_threads("rec-x")) == 1  # the worker is alive, and only one
+    rec.submit(target(3, "c"))  # and it still works
+    assert rec.wait_settled(WAIT_S) and rec.snapshot().actual == target(3, "c")
+    rec.close()
+
+
+def test_a_worker_killed_while_scheduling_a_retry_still_retries_the_target() -> None:
+    jitter = FlakyJitter()
+    loader = GatedLoader(failures={"b": [OSError("connection reset")]})
+    rec = Reconciler(loader, policy=FAST, rng=jitter, name="rec-y")
+    rec.load_blocking(target(1))
+    jitter.fail.armed.set()  # the backoff of the failed attempt is where it dies
+    rec.submit(target(2, "b"))
+    assert rec.wait_settled(WAIT_S)
+    snap = rec.snapshot()
+    assert snap.actual == target(2, "b") and snap.worker_restarts == 1
+    assert [t.artifact_id for t in loader.started] == ["a", "b", "b"]
+    rec.close()
+
+
+# --------------------------------------------------------------------------- secrets and size
+
+SECRET_URI = "https://user:hunter2@host/m.json?X-Amz-Signature=sekrit"
+
+
+def test_a_failed_load_reports_and_logs_no_secret_of_the_manifest_uri(caplog) -> None:
+    leaky = target(2, "b").model_copy(update={"manifest_uri": SECRET_URI})
+    # What a transport error says: the URL it failed on, as given and as decoded.
+    error = FetchFailed(f"GET {SECRET_URI} failed: 403 (user hunter2, signature sekrit)")
+    loader = GatedLoader(failures={"b": [error]})
+    rec = Reconciler(
+        loader, policy=BackoffPolicy(initial_s=0.01, cap_s=0.01, max_attempts=1), name="rec-s"
+    )
+    rec.load_blocking(target(1))
+    with caplog.at_level(logging.DEBUG, logger="app.reconciler"):
+        rec.submit(leaky)
+        assert rec.wait_settled(WAIT_S)
+
+    failure = rec.snapshot().last_error
+    assert failure is not None and failure.category == "fetch"
+    assert "host/m.json" in failure.message  # still says what failed
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "failed" in logged
+    for secret in ("hunter2", "sekrit"):
+        assert secret not in failure.message and secret not in logged
+    rec.close()
+
+
+def test_a_startup_target_refused_as_late_does_not_show_its_uri_secrets() -> None:
+    rec = make(GatedLoader(), [])
+    rec.load_blocking(target(5))
+    late = target(4).model_copy(update={"manifest_uri": SECRET_URI})
+    with pytest.raises(ValueError, match="late") as caught:
+        rec.load_blocking(late)
+    assert "hunter2" not in str(caught.value) and "sekrit" not in str(caught.value)
+    rec.close()
+
+
+def test_a_five_megabyte_message_is_clipped(caplog) -> None:
+    leaky = target(2, "b").model_copy(update={"manifest_uri": SECRET_URI})
+    huge = FetchFailed(f"GET {SECRET_URI}: " + "x" * 5_000_000)
+    loader = GatedLoader(failures={"b": [huge]})
+    rec = Reconciler(
+        loader, policy=BackoffPolicy(initial_s=0.01, cap_s=0.01, max_attempts=1), name="rec-h"
+    )
+    rec.load_blocking(target(1))
+    with caplog.at_level(logging.WARNING, logger="app.reconciler"):
+        rec.submit(leaky)
+        assert rec.wait_settled(WAIT_S)
+    failure = rec.snapshot().last_error
+    assert failure is not None and len(failure.message) <= MAX_TEXT
+    assert all(len(r.getMessage()) < 3 * MAX_TEXT for r in caplog.records)
+    rec.close()

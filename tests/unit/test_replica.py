@@ -7,7 +7,9 @@ serving model, and fault injection is inert unless the process environment allow
 
 from __future__ import annotations
 
+import logging
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,12 @@ def test_an_invalid_first_config_raises(replica: RankerReplica, tmp_path: Path) 
         ({"target": {"revision": "six"}}, "user_config.target.revision"),
         ({"cohort": "stable"}, "user_config.cohort"),
         ({"loading": {"cpu_share": 0}}, "user_config.loading.cpu_share"),
+        # These once killed the reporter thread and the reconciler's worker (a wait overflow).
+        ({"report_interval_s": 1e12}, "user_config.report_interval_s"),
+        (
+            {"retry": {"initial_s": 0.01, "cap_s": 1e12, "max_attempts": 2}},
+            "user_config.retry.cap_s",
+        ),
     ],
 )
 def test_an_invalid_config_on_a_serving_replica_is_refused_not_raised(
@@ -266,3 +274,60 @@ def test_the_report_carries_the_memory_figures_of_an_in_place_promotion(
     assert memory.resident_bytes == model.param_bytes > 0
     assert memory.capacity_bytes == capacity  # the configured budget wins over the device's
     assert memory.load_peak_bytes == model.memory.single_buffer_peak > model.param_bytes
+
+
+# --------------------------------------------------------------------------- secrets in errors
+
+# Nothing listens on port 1: the fetch fails at once, and the transport error names the URL.
+SECRET_URI = "https://user:hunter2@127.0.0.1:1/m.json?X-Amz-Signature=sekrit"
+SECRETS = ("hunter2", "sekrit")
+
+
+def leaky_target(packed: PackResult, revision: int) -> dict[str, Any]:
+    return {**target(packed, revision), "manifest_uri": SECRET_URI}
+
+
+def logged(records: list[logging.LogRecord]) -> str:
+    """What the service logs: its own lines at every level, any library's from INFO up
+    (fsspec's DEBUG lines name every URL it opens, as given)."""
+    return "\n".join(
+        r.getMessage() for r in records if r.name.startswith("app.") or r.levelno >= logging.INFO
+    )
+
+
+def test_a_failed_background_load_shows_no_secret_of_its_uri(
+    serving: RankerReplica, tmp_path: Path, demo, caplog
+) -> None:
+    with caplog.at_level(logging.DEBUG):
+        serving.reconfigure(config(tmp_path, target=leaky_target(demo["ranker-v41"], 6)))
+        wait_until(
+            lambda: serving.report().phase == "failed", TIMEOUT, "the fetch failed", every=0.01
+        )
+    report = serving.report()
+    assert report.last_error is not None and report.last_error.revision == 6
+    shown = report.model_dump_json() + logged(caplog.records)
+    assert "127.0.0.1:1" in shown  # it still says where it failed
+    for secret in SECRETS:
+        assert secret not in shown
+    assert serving.rank([request()]).model.artifact_id == "ranker-v42"
+
+
+def test_a_failed_startup_load_raises_no_secret_of_its_uri(
+    replica: RankerReplica, tmp_path: Path, demo, caplog
+) -> None:
+    with caplog.at_level(logging.DEBUG), pytest.raises(Exception) as caught:
+        replica.reconfigure(config(tmp_path, target=leaky_target(demo["ranker-v42"], 5)))
+    raised = "".join(traceback.format_exception(caught.value))
+    assert "127.0.0.1:1" in raised
+    for secret in SECRETS:
+        assert secret not in raised and secret not in logged(caplog.records)
+    # The original error's category survives the redaction ("missing" until the artifact
+    # store tells a refused connection apart as "fetch").
+    assert getattr(caught.value, "category", None) in {"fetch", "missing"}
+
+
+def test_the_report_names_its_incarnation_and_counts_no_restarts(serving: RankerReplica) -> None:
+    first, second = serving.report(), serving.report()
+    assert first.incarnation is not None and first.incarnation == second.incarnation
+    assert second.seq > first.seq
+    assert (second.thread_restarts, second.thread_crash) == (0, None)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from app.contracts import ControllerRef, InstanceReport, ReplicaPhase
+from app.contracts import ControllerRef, ErrorInfo, InstanceReport, ReplicaPhase
 from app.polling import wait_until
 from app.reporting import Reporter
 
@@ -89,3 +90,66 @@ def test_nothing_is_sent_without_a_controller(reporter: Reporter, sinks: Sinks) 
     reporter.poke()
     assert reporter._thread is None  # no thread to send anything
     assert sinks.made == [] and sinks.sent == []
+
+
+class Flaky:
+    """Builds reports; ``fail`` makes the next build raise an error nothing expects."""
+
+    def __init__(self) -> None:
+        self.fail = threading.Event()
+        self.reporter: Reporter | None = None
+
+    def __call__(self) -> InstanceReport:
+        if self.fail.is_set():
+            self.fail.clear()
+            raise RuntimeError("a bug in the report")
+        reporter = self.reporter
+        assert reporter is not None
+        return InstanceReport(
+            replica_id="r1",
+            cohort="stable",
+            pid=1,
+            phase=ReplicaPhase.READY,
+            heartbeat=1.0,
+            seq=reporter.next_seq(),
+            incarnation=reporter.incarnation,
+            thread_restarts=reporter.restarts,
+            thread_crash=reporter.last_crash,
+        )
+
+
+def test_a_reporter_thread_killed_by_an_unexpected_error_is_restarted_and_says_so(
+    sinks: Sinks, caplog
+) -> None:
+    build = Flaky()
+    crashes: list[ErrorInfo] = []
+    reporter = Reporter("r1", build, sinks, on_crash=crashes.append)
+    build.reporter = reporter
+    reporter.configure(CONTROLLER, QUIET_S)
+    reporter.poke()
+    wait_until(lambda: len(sinks.sent) >= 1, WAIT_S, "the first report")
+
+    with caplog.at_level(logging.ERROR, logger="app.reporting"):
+        build.fail.set()
+        reporter.poke()
+        # After the restart the reporter sends at once, without another poke: the report
+        # that says it crashed.
+        wait_until(lambda: len(sinks.sent) >= 2, WAIT_S, "a report after the restart")
+
+    after = sinks.sent[-1]
+    assert after.thread_restarts == 1 and reporter.restarts == 1
+    assert after.thread_crash is not None and after.thread_crash.category == "internal"
+    assert "RuntimeError: a bug in the report" in after.thread_crash.message
+    assert crashes == [after.thread_crash]
+    [line] = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+    assert "reporter-r1" in line and "a bug in the report" in line
+    alive = [t for t in threading.enumerate() if t.name == "reporter-r1" and t.is_alive()]
+    assert len(alive) == 1
+    assert after.seq > sinks.sent[0].seq and after.incarnation == sinks.sent[0].incarnation
+    reporter.close()
+
+
+def test_each_reporter_is_its_own_incarnation() -> None:
+    first, second = Reporter("r1", Flaky(), None), Reporter("r1", Flaky(), None)
+    assert first.incarnation != second.incarnation
+    assert first.next_seq() == second.next_seq() == 1

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from app.contracts import InstanceReport, ReplicaPhase
+from app.contracts import MAX_REVISION, InstanceReport, ReplicaPhase
 from app.errors import RegistryUnavailable, RolloutSystemError
 from app.registry import ReplicaReportRecord
 from rollout.machine import ReplicaObservation
-from rollout.reports import ReportStore, registry_record
+from rollout.reports import MAX_CLOCK_SKEW_S, ReportStore, registry_record
 
 V41, V42 = "ranker-v41", "ranker-v42"
 
@@ -151,3 +151,159 @@ def test_the_registry_record_of_a_report() -> None:
         },
         timings={"download": 0.5, "verify": 0.25, "load": 1.0, "dry_run": 0.125, "paced": 0.0},
     )
+
+
+# ---------------------------------------------------------------------- malformed reports
+
+NOW = 1_764_400_000.0  # the controller's clock in the tests below
+
+
+def at(now: float = NOW) -> ReportStore:
+    return ReportStore(clock=lambda: now)
+
+
+def without(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k != key}
+
+
+MALFORMED: dict[str, Any] = {
+    "heartbeat 1e20": {**report(heartbeat=NOW), "heartbeat": 1e20},
+    "heartbeat NaN": {**report(heartbeat=NOW), "heartbeat": float("nan")},
+    "heartbeat inf": {**report(heartbeat=NOW), "heartbeat": float("inf")},
+    "heartbeat a day ahead": report(heartbeat=NOW + 86_400),
+    "heartbeat as text": {**report(heartbeat=NOW), "heartbeat": "soon"},
+    "seq 2**60": {**report(heartbeat=NOW), "seq": 2**60},
+    "seq NaN": {**report(heartbeat=NOW), "seq": float("nan")},
+    "seq negative": {**report(heartbeat=NOW), "seq": -1},
+    "no heartbeat": without(report(heartbeat=NOW), "heartbeat"),
+    "no seq": without(report(heartbeat=NOW), "seq"),
+    "no replica_id": without(report(heartbeat=NOW), "replica_id"),
+    "not a mapping": ["c0", "ready"],
+    "None": None,
+}
+
+
+@pytest.mark.parametrize("bad", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_report_is_refused_counted_and_the_next_good_one_kept(bad: Any) -> None:
+    store = at()
+    assert store.receive(report(heartbeat=NOW - 2, seq=7, phase="loading")) is not None
+
+    assert store.receive(bad) is None
+
+    assert store.refused == 1
+    assert store.latest()["c0"].phase is ReplicaPhase.LOADING  # what was kept stays
+    kept = store.receive(report(heartbeat=NOW - 1, seq=8, phase="ready"))
+    assert kept is not None and store.latest()["c0"].phase is ReplicaPhase.READY
+    assert store.refused == 1
+
+
+def test_a_refusal_logs_one_bounded_line(caplog) -> None:
+    store = at()
+    with caplog.at_level(logging.WARNING, logger="rollout.reports"):
+        assert store.receive({**report(heartbeat=NOW), "x" * 5_000_000: 1}) is None
+        assert store.receive({**report(heartbeat=NOW), "replica_id": "r" * 5_000_000}) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(len(line) < 2000 for line in lines), [len(x) for x in lines]
+    assert store.refused == 2
+    assert store.last_refusal is not None and len(store.last_refusal) < 2000
+
+
+def test_a_heartbeat_ahead_of_the_controller_clock_by_more_than_the_skew_is_refused() -> None:
+    store = at()
+    assert store.receive(report(heartbeat=NOW + MAX_CLOCK_SKEW_S, seq=1)) is not None
+    assert store.receive(report(heartbeat=NOW + MAX_CLOCK_SKEW_S + 1, seq=2)) is None
+    assert store.refused == 1 and store.latest()["c0"].seq == 1
+    assert store.last_refusal is not None and "ahead" in store.last_refusal
+
+
+def test_a_huge_seq_does_not_make_later_good_reports_late() -> None:
+    store = at()
+    assert store.receive(report(heartbeat=NOW - 10, seq=3, phase="loading")) is not None
+    # Valid by the contract (the largest seq it allows) but not from this replica's counter.
+    bogus = report(heartbeat=NOW - 9, seq=MAX_REVISION, phase="failed")
+    assert store.receive(bogus) is not None
+
+    good = store.receive(report(heartbeat=NOW - 8, seq=4, phase="ready"))
+
+    assert good is not None and store.latest()["c0"].phase is ReplicaPhase.READY
+    # A late delivery is still late: behind the kept report in seq and in heartbeat.
+    assert store.receive(report(heartbeat=NOW - 10, seq=3, phase="loading")) is None
+    assert store.late == 1 and store.refused == 0
+    assert store.latest()["c0"].phase is ReplicaPhase.READY
+
+
+def test_a_restarted_replica_starts_its_seq_again() -> None:
+    store = at()
+    old = {"incarnation": "first", "pid": 11}
+    assert store.receive(report(heartbeat=NOW - 30, seq=500, phase="ready", **old)) is not None
+
+    restarted = report(heartbeat=NOW - 20, seq=1, phase="loading", incarnation="second")
+    assert store.receive(restarted) is not None
+    assert store.latest()["c0"].incarnation == "second"
+
+    # A report of the first process delivered late: a higher seq, but another incarnation's,
+    # and an older heartbeat.
+    assert store.receive(report(heartbeat=NOW - 25, seq=501, phase="failed", **old)) is None
+    assert store.latest()["c0"].incarnation == "second"
+    assert store.receive(report(heartbeat=NOW - 19, seq=2, incarnation="second")) is not None
+    assert store.late == 1
+
+
+def test_the_seq_orders_reports_of_one_incarnation_whatever_their_heartbeat() -> None:
+    # The replica's clock stepped back (NTP): its seq still says which report is newer.
+    store = at()
+    assert store.receive(report(heartbeat=NOW - 5, seq=10, phase="loading")) is not None
+    assert store.receive(report(heartbeat=NOW - 7, seq=11, phase="ready")) is not None
+    assert store.latest()["c0"].phase is ReplicaPhase.READY
+
+
+def test_one_report_the_registry_cannot_file_does_not_stop_the_others() -> None:
+    class Picky(Recording):
+        def upsert_replica_report(self, record: ReplicaReportRecord) -> None:
+            if record.replica_id == "c0":
+                raise OverflowError("timestamp out of range for the database")
+            super().upsert_replica_report(record)
+
+    store, registry, errors = at(), Picky(), []
+    store.receive(report("c0", heartbeat=NOW))
+    store.receive(report("c1", heartbeat=NOW))
+
+    def persist() -> None:
+        store.persist_changed(
+            registry, model="ranker", environment="default", on_error=errors.append
+        )  # type: ignore[arg-type]
+
+    persist()
+
+    assert [r.replica_id for r in registry.upserted] == ["c1"]
+    assert errors == [
+        "persist report of c0: OverflowError: timestamp out of range for the database"
+    ]
+    # The same report is not tried again every tick; a changed one is.
+    persist()
+    assert len(errors) == 1
+    store.receive(report("c0", heartbeat=NOW, seq=2, phase="failed"))
+    persist()
+    assert len(errors) == 2
+
+
+def test_a_mapping_that_cannot_be_read_is_refused() -> None:
+    class Hostile(dict):  # type: ignore[type-arg]
+        def get(self, *args: Any) -> Any:
+            raise RuntimeError("no")
+
+        def __getitem__(self, key: Any) -> Any:
+            raise RuntimeError("no")
+
+        def items(self) -> Any:
+            raise RuntimeError("no")
+
+        def keys(self) -> Any:
+            raise RuntimeError("no")
+
+        def __iter__(self) -> Any:
+            raise RuntimeError("no")
+
+    store = at()
+    assert store.receive(Hostile(report(heartbeat=NOW))) is None
+    assert store.refused == 1
