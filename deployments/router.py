@@ -74,9 +74,11 @@ JSON = "application/json"
 DEFAULT_MAX_ONGOING_REQUESTS: Final = AppArgs().router_max_ongoing_requests
 # A replica's probe answer is kept this many probe intervals before it is dropped from status.
 REPLICA_VIEW_TTL_INTERVALS = 30
-# A probe loop that died is started again after this long (not at once: a loop that dies on
-# every round must not spin).
+# A probe loop that died is started again after this long, doubled for every death in a row
+# (no probe round completed in between) up to the maximum: a loop that dies on every round
+# must neither spin nor flood the log.
 PROBE_RESTART_DELAY_S = 0.5
+PROBE_RESTART_MAX_DELAY_S = 10.0
 
 
 class RouterMetrics:
@@ -146,6 +148,7 @@ class Router:
         self._first_probe = asyncio.Event()
         self._probe_loop_view = LoopView()
         self._probe_died_at: float | None = None
+        self._probe_deaths_in_row = 0
         self._closing = False
         self._has_config = False
         self._config_error: ErrorInfo | None = None
@@ -228,13 +231,17 @@ class Router:
         self._probe_loop_view = LoopView(
             restarts=self._probe_loop_view.restarts + 1, last_error=clip_text(why)
         )
+        delay = min(
+            PROBE_RESTART_MAX_DELAY_S, PROBE_RESTART_DELAY_S * 2.0**self._probe_deaths_in_row
+        )
+        self._probe_deaths_in_row += 1
         log.error(
             "router probe loop died (%s); restarting it in %.1f s (restart %d)",
             why,
-            PROBE_RESTART_DELAY_S,
+            delay,
             self._probe_loop_view.restarts,
         )
-        asyncio.get_running_loop().call_later(PROBE_RESTART_DELAY_S, self._start_probing)
+        asyncio.get_running_loop().call_later(delay, self._start_probing)
 
     async def _probe_loop(self) -> None:
         next_probe = 0.0
@@ -242,6 +249,7 @@ class Router:
             if time.monotonic() >= next_probe:
                 await asyncio.gather(*(self._probe(c) for c in COHORTS))
                 self._first_probe.set()
+                self._probe_deaths_in_row = 0
                 next_probe = time.monotonic() + self._config.probe_interval_s
             self._flush_counts()
             await asyncio.sleep(min(1.0, self._config.probe_interval_s))
