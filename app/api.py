@@ -7,6 +7,7 @@ not validate again.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable
 from typing import Annotated, Any, Final
 
 import numpy as np
@@ -14,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_serializer,
     field_validator,
@@ -31,12 +33,21 @@ from app.features import (
 
 DEFAULT_TOP_N: Final = 10
 MAX_BODY_BYTES: Final = 8 << 20
+# The model computes in float32: a float64 from this magnitude on rounds to an infinity there
+# (float32's largest finite value plus half a step: below it, values round to that value).
+FLOAT32_OVERFLOW: Final = (2.0 - 2.0**-24) * 2.0**127
+FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 
-Feature = Annotated[float, Field(allow_inf_nan=False)]
+# A JSON number only (the request models are strict: never a string or a boolean), finite,
+# and finite once in float32. The bounds are checked in pydantic's core, not in Python (up to
+# 160k values a request); parse_rank_body words their error.
+Feature = Annotated[float, Field(allow_inf_nan=False, gt=-FLOAT32_OVERFLOW, lt=FLOAT32_OVERFLOW)]
+ContextValue = str | int | float
 
 
 class CandidateIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion of strings or booleans into numbers (or numbers into strings).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: Annotated[str, Field(min_length=1, max_length=MAX_CANDIDATE_ID_CHARS)]
     features: Annotated[
@@ -47,17 +58,26 @@ class CandidateIn(BaseModel):
 class RankBody(BaseModel):
     """``POST /v1/rank``. ``null`` marks a missing feature; NaN and infinities are refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: ``true`` is no top_n, ``"5"`` no number, ``17`` no user id.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     user_id: Annotated[str, Field(max_length=256)] | None = None
     session_id: Annotated[str, Field(max_length=256)] | None = None
-    context: dict[str, str | int | float] = Field(default_factory=dict)
+    context: dict[str, ContextValue] = Field(default_factory=dict)
     candidates: Annotated[list[CandidateIn], Field(min_length=1, max_length=MAX_CANDIDATES)]
     top_n: Annotated[int, Field(ge=1, le=MAX_CANDIDATES)] = DEFAULT_TOP_N
+    # The candidates' features as the float32 matrix the model takes (NaN: missing), built
+    # once while validating (to_wire hands it on).
+    _features: np.ndarray = PrivateAttr()
 
-    @field_validator("context")
+    @field_validator("context", mode="before")
     @classmethod
-    def _known_context(cls, value: dict[str, str | int | float]) -> dict[str, str | int | float]:
+    def _known_context(cls, value: Any) -> Any:
+        # Before pydantic's own checks, on the values as sent: the context's own rules name
+        # the field ("context.hour_of_day: expected an integer, got bool"); a union's
+        # errors would name a union member instead.
+        if not isinstance(value, dict):
+            return value  # pydantic refuses it: "Input should be a valid dictionary"
         for name in value:
             if name not in CONTEXT_FIELDS:
                 known = ", ".join(CONTEXT_FIELDS)
@@ -72,18 +92,72 @@ class RankBody(BaseModel):
             if cand.id in seen:
                 raise ValueError(f"candidates[{i}].id: duplicate id {cand.id!r}")
             seen.add(cand.id)
+        # None -> NaN (missing); the model's preprocessing fills it. Every value was checked
+        # to stay finite in float32 (Feature).
+        self._features = np.asarray([c.features for c in self.candidates], dtype=np.float32)
         return self
 
 
 class RequestInvalid(ValueError):
-    """A client mistake: answered 422 naming ``field``."""
+    """A client mistake: answered ``status`` (422) naming ``field``."""
 
     category = "invalid_request"
+    status = 422
 
     def __init__(self, field: str, detail: str) -> None:
         super().__init__(f"{field}: {detail}")
         self.field = field
         self.detail = detail
+
+    def payload(self) -> dict[str, Any]:
+        """The JSON body of the answer."""
+        return {"error": self.category, "detail": self.detail, **self.extra()}
+
+    def extra(self) -> dict[str, Any]:
+        """The answer's fields besides ``error`` and ``detail``."""
+        return {"field": self.field}
+
+
+class BodyTooLarge(RequestInvalid):
+    """A body over ``MAX_BODY_BYTES``, declared or read so far: 413, the rest unread."""
+
+    category = "body_too_large"
+    status = 413
+
+    def __init__(self, detail: str, limit: int) -> None:
+        super().__init__("body", detail)
+        self.limit = limit
+
+    def extra(self) -> dict[str, Any]:
+        return {**super().extra(), "limit_bytes": self.limit}
+
+
+async def read_body(
+    content_length: str | None, chunks: AsyncIterable[bytes], limit: int = MAX_BODY_BYTES
+) -> bytes:
+    """The request body, read no further than ``limit`` bytes.
+
+    A ``Content-Length`` over the limit is refused before a byte is read; a body without
+    one (chunked) is read chunk by chunk and refused as soon as it passes the limit, so a
+    client cannot make the service hold more than ``limit`` bytes of one request (the
+    proxy in front still buffers what the client sends meanwhile: see README "Security").
+    """
+    if content_length is not None:
+        declared = content_length.strip()
+        if not declared.isdigit():
+            raise RequestInvalid("content-length", f"{content_length[:40]!r} is not a length")
+        if int(declared) > limit:
+            raise BodyTooLarge(
+                f"Content-Length {int(declared)} is over the limit of {limit} bytes", limit
+            )
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the body passed the limit of {limit} bytes; not read on", limit)
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _field_name(loc: tuple[Any, ...]) -> str:
@@ -99,7 +173,9 @@ def _field_name(loc: tuple[Any, ...]) -> str:
 def parse_rank_body(raw: bytes) -> RankBody:
     """Parse and validate a request body; RequestInvalid names the first bad field."""
     if len(raw) > MAX_BODY_BYTES:
-        raise RequestInvalid("body", f"{len(raw)} bytes is over the limit of {MAX_BODY_BYTES}")
+        raise BodyTooLarge(
+            f"{len(raw)} bytes is over the limit of {MAX_BODY_BYTES} bytes", MAX_BODY_BYTES
+        )
     if not raw:
         raise RequestInvalid("body", "empty body; expected a JSON object")
     try:
@@ -109,9 +185,12 @@ def parse_rank_body(raw: bytes) -> RankBody:
         msg = str(first.get("msg", "invalid"))
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        field = _field_name(tuple(first.get("loc", ())))
+        loc = tuple(first.get("loc", ()))
+        field = _field_name(loc)
         if first.get("type") == "json_invalid":
             field = "body"
+        if first.get("type") in ("less_than", "greater_than") and "features" in loc:
+            msg = f"outside float32's finite range (|x| <= {FLOAT32_MAX:g})"
         # Our validators' messages start with the precise field ("context.surface: ...").
         head, sep, rest = msg.partition(": ")
         if sep and " " not in head and (field == "body" or head.startswith(field)):
@@ -121,9 +200,7 @@ def parse_rank_body(raw: bytes) -> RankBody:
 
 def to_wire(body: RankBody) -> WireRequest:
     ids = tuple(c.id for c in body.candidates)
-    # None -> NaN (missing); the model's preprocessing fills it. Finite values were checked.
-    features = np.asarray([c.features for c in body.candidates], dtype=np.float32)
-    return WireRequest(ids, features, body.context, body.top_n)
+    return WireRequest(ids, body._features, body.context, body.top_n)
 
 
 class ReplicaView(BaseModel):
@@ -153,8 +230,20 @@ class CohortView(BaseModel):
     replicas: list[ReplicaView]
 
 
+class LoopView(BaseModel):
+    """A background loop of the router (probing): how often it died and was restarted."""
+
+    restarts: int = 0
+    last_error: str | None = None  # the last death: "ExceptionType: message"
+    last_error_s_ago: float | None = None
+
+
 class StatusResponse(BaseModel):
     draining: bool
     in_flight: int
     canary_bp: int
     cohorts: list[CohortView]
+    # The router's last refused user_config (category "config", the field path and why); the
+    # config before it stays in force. None once a valid config arrives.
+    config_error: ErrorInfo | None = None
+    probe_loop: LoopView = LoopView()

@@ -16,8 +16,9 @@ from typing import Final
 # --- label keys -------------------------------------------------------------------------
 COHORT: Final = "cohort"  # "stable" | "canary"; on router metrics, the cohort that answered
 OUTCOME: Final = "outcome"  # "ok" | "error" | "diverted", see below
-REASON: Final = "reason"  # rejections: "invalid_request" | "draining" | "overloaded" |
-#                           "unavailable"; load failures: the rejection's category
+REASON: Final = "reason"  # rejections: "invalid_request" | "body_too_large" | "draining" |
+#                           "overloaded" | "unavailable"; load failures: the rejection's
+#                           category
 FROM_COHORT: Final = "from_cohort"  # failovers: the cohort that could not answer
 STAGE: Final = "stage"  # "download" | "verify" | "load" | "dry_run" | "paced" | "install" |
 #                         "total" (app.contracts.LoadTimings' fields, and the whole load)
@@ -28,7 +29,7 @@ ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
 ROUTER_LATENCY_MS: Final = "ranker_router_latency_ms"  # histogram {cohort, outcome}
 ROUTER_FAILOVERS: Final = "ranker_router_failovers"  # counter {from_cohort, cohort}
 ROUTER_REJECTIONS: Final = "ranker_router_rejections"  # counter {reason}
-ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge
+ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge, sampled every <= 1 s
 ROUTER_CANARY_WEIGHT_BP: Final = "ranker_router_canary_weight_bp"  # gauge
 ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coalesced calls
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from typing import Any, Final
 
 import torch
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RequestInvalid, parse_rank_body, to_wire
+from app.api import RequestInvalid, parse_rank_body, read_body, to_wire
 from app.contracts import (
     BatchingConfig,
     CohortArgs,
@@ -42,6 +43,10 @@ DEFAULT_MAX_ONGOING_REQUESTS: Final = CohortArgs().max_ongoing_requests
 # @serve.batch starts from BatchingConfig's defaults; the live values come from user_config
 # (reconfigure), within BatchingConfig's bounds.
 _BATCHING: Final = BatchingConfig()
+# Ray's metrics agent drops a gauge's value that was not set again within two export intervals
+# (Ray 2.60, OpenTelemetry path): a revision set once, at install, would vanish from the
+# scrape seconds later. The observer sets its gauges again this often.
+GAUGE_REFRESH_S: Final = 1.0
 
 
 class ControllerSink:
@@ -68,10 +73,13 @@ class ControllerSink:
 
 class ServeMetricsObserver:
     """app.replica's metric hooks on ray.serve.metrics (tags: application, deployment,
-    replica added by Ray; cohort added here)."""
+    replica added by Ray; cohort added here). Gauges are set again every GAUGE_REFRESH_S by
+    a daemon thread, so that they stay in the scrape while nothing changes."""
 
     def __init__(self) -> None:
         self._cohort = "unknown"
+        self._last_revisions: tuple[int, int] | None = None
+        self._closed = threading.Event()
         self._stage = metrics.Histogram(
             t.REPLICA_LOAD_STAGE_S,
             description="Duration of each stage of loading a model target.",
@@ -108,8 +116,27 @@ class ServeMetricsObserver:
         self._stage.observe(seconds, tags=tags)
 
     def revisions(self, desired: int | None, actual: int | None) -> None:
-        self._desired.set(desired or 0, tags={t.COHORT: self._cohort})
-        self._actual.set(actual or 0, tags={t.COHORT: self._cohort})
+        self._last_revisions = (desired or 0, actual or 0)
+        self._set_revisions()
+
+    def _set_revisions(self) -> None:
+        last = self._last_revisions
+        if last is not None:
+            self._desired.set(last[0], tags={t.COHORT: self._cohort})
+            self._actual.set(last[1], tags={t.COHORT: self._cohort})
+
+    def start_refreshing(self) -> None:
+        threading.Thread(target=self._refresh, name="gauge-refresh", daemon=True).start()
+
+    def _refresh(self) -> None:
+        while not self._closed.wait(GAUGE_REFRESH_S):
+            try:
+                self._set_revisions()
+            except Exception:  # a metrics hiccup must not end the refreshing for good
+                log.exception("setting the revision gauges failed; trying again")
+
+    def close(self) -> None:
+        self._closed.set()
 
     def load_failure(self, category: str) -> None:
         self._failures.inc(tags={t.COHORT: self._cohort, t.REASON: category})
@@ -129,6 +156,7 @@ class Ranker:
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._observer = ServeMetricsObserver()
         self._core = RankerReplica(replica_id, sink_factory=ControllerSink, observer=self._observer)
+        self._observer.start_refreshing()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         # Keep this instant after startup: Ray sends the replica no traffic while it runs.
@@ -179,10 +207,17 @@ class Ranker:
         if request.method != "POST" or not request.url.path.endswith("/v1/rank"):
             return Response(b'{"error":"not_found"}', status_code=404)
         try:
-            body = parse_rank_body(await request.body())
+            raw = await read_body(request.headers.get("content-length"), request.stream())
+            body = parse_rank_body(raw)
         except RequestInvalid as exc:
-            payload = {"error": exc.category, "field": exc.field, "detail": exc.detail}
-            return Response(json.dumps(payload), status_code=422, media_type="application/json")
+            # A body over the cap (413) is left unread: the connection is not reusable.
+            headers = {"Connection": "close"} if exc.status == 413 else None
+            return Response(
+                json.dumps(exc.payload()),
+                status_code=exc.status,
+                media_type="application/json",
+                headers=headers,
+            )
         try:
             await self._inject_faults()
         except InjectedFault as exc:
@@ -200,6 +235,9 @@ class Ranker:
         self._core.check_health()
 
     def __del__(self) -> None:
+        observer = getattr(self, "_observer", None)
+        if observer is not None:
+            observer.close()
         core = getattr(self, "_core", None)
         if core is not None:
             core.close()

@@ -32,10 +32,12 @@ from starlette.responses import Response
 from app import telemetry as t
 from app.api import (
     CohortView,
+    LoopView,
     ReplicaView,
     RequestInvalid,
     StatusResponse,
     parse_rank_body,
+    read_body,
     to_wire,
 )
 from app.coalescing import CohortCoalescer
@@ -43,13 +45,17 @@ from app.contracts import (
     BASIS_POINTS,
     CANARY,
     COHORTS,
+    MAX_FIELD_PATH,
     STABLE,
     AppArgs,
+    ErrorInfo,
     InstanceReport,
     RouterConfig,
     WireAnswer,
     WireRequest,
+    clip_text,
 )
+from app.errors import ConfigError
 from app.routing import (
     CohortHealth,
     decide_route,
@@ -68,6 +74,11 @@ JSON = "application/json"
 DEFAULT_MAX_ONGOING_REQUESTS: Final = AppArgs().router_max_ongoing_requests
 # A replica's probe answer is kept this many probe intervals before it is dropped from status.
 REPLICA_VIEW_TTL_INTERVALS = 30
+# A probe loop that died is started again after this long, doubled for every death in a row
+# (no probe round completed in between) up to the maximum: a loop that dies on every round
+# must neither spin nor flood the log.
+PROBE_RESTART_DELAY_S = 0.5
+PROBE_RESTART_MAX_DELAY_S = 10.0
 
 
 class RouterMetrics:
@@ -95,6 +106,10 @@ class RouterMetrics:
         )
         self.canary_weight = metrics.Gauge(
             t.ROUTER_CANARY_WEIGHT_BP, description="Canary weight in basis points."
+        )
+        self.in_flight = metrics.Gauge(
+            t.ROUTER_IN_FLIGHT,
+            description="Rank requests admitted and not yet answered (sampled every <= 1 s).",
         )
         self.batch = metrics.Histogram(
             t.ROUTER_BATCH_SIZE,
@@ -131,12 +146,39 @@ class Router:
         self._metrics = RouterMetrics()
         self._probe_task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
+        self._probe_loop_view = LoopView()
+        self._probe_died_at: float | None = None
+        self._probe_deaths_in_row = 0
+        self._closing = False
+        self._has_config = False
+        self._config_error: ErrorInfo | None = None
 
     # ------------------------------------------------------------------ config
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        config = RouterConfig.from_user_config(user_config)
+        """Apply a new user_config; a bad one is refused, never raised, once there is a good
+        one: a raising reconfigure makes Serve kill this replica, and every router replica
+        gets the same config: the whole ingress would go down for a typo. The refusal shows
+        in ``/v1/status`` (``config_error``) until a valid config arrives.
+
+        At startup there is no good config to keep: the first one raises (Serve reports the
+        replica as failed to start, naming the field)."""
+        try:
+            config = RouterConfig.from_user_config(user_config)
+        except ConfigError as exc:
+            if not self._has_config:
+                raise
+            field = str(exc.ids.get("field") or "user_config")
+            log.error("router user_config refused, keeping the current one: %s", exc)
+            self._config_error = ErrorInfo(
+                category=ConfigError.category,
+                message=clip_text(f"user_config refused, the previous one stays: {exc}"),
+                field=clip_text(field, MAX_FIELD_PATH),
+            )
+            return
         self._config = config
+        self._has_config = True
+        self._config_error = None
         for cohort in COHORTS:
             self._size_coalescer(cohort)
         self._metrics.canary_weight.set(config.canary_bp)
@@ -162,8 +204,44 @@ class Router:
         return send
 
     def _ensure_probing(self) -> None:
+        """Start the probe loop (on the first request: the replica's event loop is only
+        reachable from a request). Once started it restarts itself when it dies."""
         if self._probe_task is None or self._probe_task.done():
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+            self._start_probing()
+
+    def _start_probing(self) -> None:
+        if self._closing or (self._probe_task is not None and not self._probe_task.done()):
+            return
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        self._probe_task.add_done_callback(self._probe_loop_ended)
+
+    def _probe_loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The probe loop never returns: an end is a death (an exception, or a cancellation
+        not ours, e.g. a cancelled handle call surfacing as CancelledError). Without probes
+        the router routes on stale health and sizes coalescing on stale replica counts, so
+        the death is logged, shown in status and the loop started again."""
+        if self._closing:
+            return
+        if task.cancelled():
+            why = "CancelledError: the probe loop was cancelled"
+        else:
+            exc = task.exception()
+            why = f"{type(exc).__name__}: {exc}"
+        self._probe_died_at = time.monotonic()
+        self._probe_loop_view = LoopView(
+            restarts=self._probe_loop_view.restarts + 1, last_error=clip_text(why)
+        )
+        delay = min(
+            PROBE_RESTART_MAX_DELAY_S, PROBE_RESTART_DELAY_S * 2.0**self._probe_deaths_in_row
+        )
+        self._probe_deaths_in_row += 1
+        log.error(
+            "router probe loop died (%s); restarting it in %.1f s (restart %d)",
+            why,
+            delay,
+            self._probe_loop_view.restarts,
+        )
+        asyncio.get_running_loop().call_later(delay, self._start_probing)
 
     async def _probe_loop(self) -> None:
         next_probe = 0.0
@@ -171,6 +249,7 @@ class Router:
             if time.monotonic() >= next_probe:
                 await asyncio.gather(*(self._probe(c) for c in COHORTS))
                 self._first_probe.set()
+                self._probe_deaths_in_row = 0
                 next_probe = time.monotonic() + self._config.probe_interval_s
             self._flush_counts()
             await asyncio.sleep(min(1.0, self._config.probe_interval_s))
@@ -260,12 +339,18 @@ class Router:
     async def _rank_admitted(self, request: Request, config: RouterConfig) -> Response:
         started = time.perf_counter()
         try:
-            body = parse_rank_body(await request.body())
+            raw = await read_body(request.headers.get("content-length"), request.stream())
+            body = parse_rank_body(raw)
             forced = parse_forced_cohort(
                 request.headers.get(COHORT_HEADER), allowed=config.allow_cohort_header
             )
         except RequestInvalid as exc:
-            return self._reject(422, exc.category, exc.detail, field=exc.field)
+            response = self._reject(exc.status, exc.category, exc.detail, **exc.extra())
+            if exc.status == 413:
+                # The rest of the body stays unread: the connection cannot carry another
+                # request after this one.
+                response.headers["Connection"] = "close"
+            return response
         except ValueError as exc:
             return self._reject(422, "invalid_request", str(exc), field=COHORT_HEADER)
         wire = to_wire(body)
@@ -347,6 +432,11 @@ class Router:
         counts, self._request_counts = self._request_counts, {}
         for (cohort, outcome), n in counts.items():
             self._metrics.requests.inc(n, tags={t.COHORT: cohort, t.OUTCOME: outcome})
+        # Gauges set again every round: sampled (in flight, not set per request, for the same
+        # reason), and refreshed (Ray's agent drops a gauge value not set again within two
+        # export intervals: a weight set once at reconfigure would vanish from the scrape).
+        self._metrics.in_flight.set(self._in_flight)
+        self._metrics.canary_weight.set(self._config.canary_bp)
 
     # ------------------------------------------------------------------ status
 
@@ -380,13 +470,21 @@ class Router:
                     replicas=replicas,
                 )
             )
+        probe_loop = self._probe_loop_view
+        if self._probe_died_at is not None:
+            probe_loop = probe_loop.model_copy(
+                update={"last_error_s_ago": round(now - self._probe_died_at, 3)}
+            )
         return StatusResponse(
             draining=self._config.draining,
             in_flight=self._in_flight,
             canary_bp=self._config.canary_bp,
             cohorts=cohorts,
+            config_error=self._config_error,
+            probe_loop=probe_loop,
         )
 
     def __del__(self) -> None:
+        self._closing = True  # the loop's cancellation below is ours: no restart
         if self._probe_task is not None:
             self._probe_task.cancel()

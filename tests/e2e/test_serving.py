@@ -324,6 +324,27 @@ def test_readyz_503_while_draining_and_the_client_rides_it_out(serving: Cluster)
         (lambda b: b.update(context={"surface": "moon"}), "context.surface"),
         (lambda b: b.update(top_n=0), "top_n"),
         (lambda b: b.update(colour="red"), "colour"),
+        # Strict numbers: beyond float32's range, strings and booleans are no features, and
+        # a boolean is no hour nor top_n.
+        (
+            lambda b: b["candidates"][0]["features"].__setitem__(5, 1e39),
+            "candidates[0].features[5]",
+        ),
+        (
+            lambda b: b["candidates"][2]["features"].__setitem__(7, -3.5e38),
+            "candidates[2].features[7]",
+        ),
+        (
+            lambda b: b["candidates"][0]["features"].__setitem__(2, "1.5"),
+            "candidates[0].features[2]",
+        ),
+        (
+            lambda b: b["candidates"][1]["features"].__setitem__(0, True),
+            "candidates[1].features[0]",
+        ),
+        (lambda b: b["context"].update(hour_of_day=True), "context.hour_of_day"),
+        (lambda b: b.update(top_n=True), "top_n"),
+        (lambda b: b.update(top_n="5"), "top_n"),
     ],
 )
 def test_client_mistakes_get_422_naming_the_field(cluster: Cluster, mutate, field: str) -> None:
@@ -614,3 +635,187 @@ def test_a_cleared_canary_target_retires_its_model_and_takes_no_failover(
     assert replica_ids(cluster, "canary") == canary_before  # retired in place, no restart
     no_answer = [a for a in load.records if a.status == 0]  # transport errors
     assert not no_answer, no_answer[:5]
+
+
+# --------------------------------------------------------------------------- body size cap
+
+# A generous bound on waiting for an answer: without the cap the router waits for a body that
+# never comes (Content-Length) or reads all of it first (chunked).
+ANSWER_BOUND_S = 60.0
+
+
+def _host_port(cluster: Cluster) -> tuple[str, int]:
+    import httpx
+
+    url = httpx.URL(cluster.http_url)
+    return url.host, int(url.port or 80)
+
+
+def test_a_declared_body_over_the_cap_gets_413_without_sending_it(cluster: Cluster) -> None:
+    import http.client
+    import json
+
+    from app.api import MAX_BODY_BYTES
+
+    host, port = _host_port(cluster)
+    conn = http.client.HTTPConnection(host, port, timeout=ANSWER_BOUND_S)
+    try:
+        conn.putrequest("POST", "/v1/rank")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(1 << 30))  # 1 GiB announced, nothing sent
+        conn.endheaders()
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 413, answer
+    assert answer["error"] == "body_too_large" and answer["field"] == "body", answer
+    assert answer["limit_bytes"] == MAX_BODY_BYTES
+    assert str(MAX_BODY_BYTES) in answer["detail"] and str(1 << 30) in answer["detail"], answer
+    # The service is unharmed.
+    assert cluster.status()["cohorts"]
+
+
+def test_a_chunked_body_is_cut_off_at_the_cap_with_413(cluster: Cluster) -> None:
+    import http.client
+    import json
+    import select
+    import socket
+
+    from app.api import MAX_BODY_BYTES
+
+    host, port = _host_port(cluster)
+    chunk = b"[" + b" " * (64 * 1024 - 1)  # JSON-ish garbage, never complete
+    framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    give_up_after = 8 * MAX_BODY_BYTES  # what the client would send if nothing stopped it
+    sock = socket.create_connection((host, port), timeout=ANSWER_BOUND_S)
+    sent = 0
+    try:
+        sock.sendall(
+            b"POST /v1/rank HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" % host.encode()
+        )
+        while sent < give_up_after:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:  # the server answered while the body was still coming
+                break
+            try:
+                sock.sendall(framed)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server closed the connection: it stopped reading
+            sent += len(chunk)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        answer = json.loads(response.read())
+    finally:
+        sock.close()
+    assert response.status == 413, answer
+    assert answer["error"] == "body_too_large" and answer["limit_bytes"] == MAX_BODY_BYTES
+    # Answered while the client was still sending: the server never took the whole body.
+    assert sent < give_up_after, f"the client sent all {sent} bytes before any answer"
+    assert cluster.status()["cohorts"]
+
+
+# --------------------------------------------------------------------------- bad router config
+
+
+def test_an_invalid_router_config_is_refused_and_the_last_good_one_serves(
+    serving: Cluster,
+) -> None:
+    cluster = serving
+    set_weight(cluster, 2500)
+    good = cluster.rest.current_user_config(APP, "router")
+    assert good is not None
+    routers_before = replica_ids(cluster, "router")
+
+    def refused(field: str) -> bool:
+        status = cluster.status()
+        error = status.get("config_error")
+        assert error and error["category"] == "config" and error["field"] == field, status
+        assert field.removeprefix("user_config.") in error["message"], error
+        assert status["canary_bp"] == 2500, status  # the last good weights still apply
+        return True
+
+    try:
+        with client_load(cluster.http_url) as load:
+            for bad, field in (
+                ({**good, "canary_pb": 5000}, "user_config.canary_pb"),  # a typo
+                ({**good, "canary_bp": 10001}, "user_config.canary_bp"),  # out of range
+            ):
+                cluster.rest.update_user_configs(APP, {"router": lambda cfg, bad=bad: bad})
+                wait_until(
+                    lambda field=field: refused(field),
+                    60,
+                    f"router refuses {field}",
+                    retry_on=(Exception,),
+                )
+                mark = len(load.records)
+                wait_until(lambda mark=mark: len(load.records) >= mark + 20, 60, "traffic after it")
+                assert cluster.rest.app_status(APP) == "RUNNING"
+            served = {a.cohort for a in load.records}
+    finally:
+        cluster.rest.update_user_configs(APP, {"router": lambda cfg: {**good, "canary_bp": 5000}})
+
+    def cleared() -> bool:
+        status = cluster.status()
+        assert status.get("config_error") is None and status["canary_bp"] == 5000, status
+        return True
+
+    wait_until(cleared, 60, "a good config clears the refusal", retry_on=(Exception,))
+    assert_all_ok(load.records)
+    assert served == {"stable", "canary"}  # 25% canary all along
+    assert replica_ids(cluster, "router") == routers_before  # no router died or restarted
+
+
+# --------------------------------------------------------------------------- observability
+
+
+def test_every_metric_the_dashboard_queries_is_exported(serving: Cluster) -> None:
+    """Scrape the running app (Ray's metrics export port) after traffic that makes every
+    panel's series exist: requests on both cohorts, a rejection, failovers from a failing
+    canary, a refused candidate; then every metric name the dashboard queries is there."""
+    import json
+    import re
+    from pathlib import Path
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cluster = serving
+    dashboard = json.loads(
+        (
+            Path(__file__).resolve().parents[2]
+            / "configs/observability/grafana-rollout-dashboard.json"
+        ).read_text()
+    )
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\b(ray_[a-z0-9_]+)\b", target["expr"])
+    }
+    assert len(queried) >= 10, queried
+
+    set_weight(cluster, 5000)
+    rank_many(cluster, [f"obs-{i}" for i in range(40)])
+    assert httpx.post(f"{cluster.http_url}/v1/rank", content=b"{").status_code == 422
+    cluster.set_target("canary", cluster.target(build_bad(cluster, "good", "flip", 99)))
+    cluster.set_faults("canary", {"error_rate": 1.0})
+    wait_until(
+        lambda: all(r.faults for r in cluster.latest_reports("canary").values()),
+        30,
+        "canary failing its calls",
+        retry_on=(Exception,),
+    )
+    rank_many(cluster, [f"obs-{i}" for i in range(40)])  # canary-bucketed ones fail over
+
+    missing: list[set[str]] = [queried]
+
+    def all_exported() -> bool:
+        text = httpx.get(cluster.metrics_url, timeout=10).text
+        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        missing[0] = queried - names
+        assert not missing[0], f"queried by the dashboard, not exported: {sorted(missing[0])}"
+        return True
+
+    wait_until(all_exported, 60, "every dashboard metric exported", retry_on=(Exception,))

@@ -160,3 +160,74 @@ def test_router_config_bounds() -> None:
         RouterConfig(canary_bp=10001)
     with pytest.raises(ValidationError, match="extra"):
         RouterConfig.model_validate({"canary_weight": 5})
+
+
+# --------------------------------------------------------------------------- strict numbers
+
+
+def _with_feature(position: tuple[int, int], value: Any) -> dict[str, Any]:
+    doc = body()
+    doc["candidates"][position[0]]["features"][position[1]] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("position", "value", "words"),
+    [
+        ((0, 5), 1e39, "float32"),
+        ((2, 0), -3.5e38, "float32"),
+        ((1, 79), 1.7976931348623157e308, "float32"),
+        ((0, 2), "1.5", "valid number"),
+        ((1, 0), True, "valid number"),
+        ((2, 3), False, "valid number"),
+        ((0, 1), [1.0], "valid number"),
+    ],
+)
+def test_features_are_strict_float32_numbers(
+    position: tuple[int, int], value: Any, words: str
+) -> None:
+    err = invalid(_with_feature(position, value))
+    assert err.field == f"candidates[{position[0]}].features[{position[1]}]", err
+    assert words in err.detail, err.detail
+
+
+def test_the_largest_float32_and_integers_are_valid_features() -> None:
+    biggest = float(np.finfo(np.float32).max)
+    doc = _with_feature((0, 0), biggest)
+    doc["candidates"][0]["features"][1] = -biggest
+    doc["candidates"][0]["features"][2] = 7  # a JSON integer is a number
+    doc["candidates"][0]["features"][3] = np.nextafter(biggest, math.inf)  # rounds to biggest
+    wire = to_wire(parse_rank_body(json.dumps(doc).encode()))
+    assert np.isfinite(wire.features[0, :3]).all()
+    assert wire.features[0, 2] == 7.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"context": {"hour_of_day": True}}, "context.hour_of_day"),
+        ({"context": {"hour_of_day": "13"}}, "context.hour_of_day"),
+        ({"context": {"surface": True}}, "context.surface"),
+        ({"context": {"surface": ["search"]}}, "context.surface"),
+        ({"top_n": True}, "top_n"),
+        ({"top_n": "5"}, "top_n"),
+        ({"top_n": 5.0}, "top_n"),
+        ({"user_id": 17}, "user_id"),
+        ({"candidates": [{"id": 3, "features": [0.0] * NUM_FEATURES}]}, "candidates[0].id"),
+    ],
+)
+def test_booleans_and_strings_are_not_numbers_and_numbers_not_strings(
+    overrides: dict[str, Any], field: str
+) -> None:
+    assert invalid(body(**overrides)).field == field
+
+
+def test_request_models_are_strict() -> None:
+    from app.api import CandidateIn, RankBody
+
+    with pytest.raises(ValidationError):
+        RankBody.model_validate({**body(), "top_n": True})
+    with pytest.raises(ValidationError):
+        CandidateIn.model_validate({"id": "a", "features": [True] * NUM_FEATURES})
+    with pytest.raises(ValidationError):
+        CandidateIn.model_validate({"id": "a", "features": [1e39] * NUM_FEATURES})

@@ -1,4 +1,9 @@
-"""The Grafana dashboard and Prometheus config name only metrics the service exports."""
+"""The Grafana dashboard and Prometheus config name only metrics the service declares.
+
+The static half: names against app.telemetry's constants. That a deployment really creates
+and exports each of them is checked on a running app, in a real scrape:
+tests/e2e/test_serving.py::test_every_metric_the_dashboard_queries_is_exported (a declared
+but never created gauge passed here and failed there)."""
 
 from __future__ import annotations
 
