@@ -38,6 +38,7 @@ from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SIGNATURE_NAME,
     FileEntry,
     Manifest,
@@ -52,6 +53,8 @@ CHUNK_BYTES: Final = 8 << 20
 # each (a few ms of SHA-256): one call over a whole file would be one long burst.
 HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
+# A signature file holds the base64 of 64 bytes and a newline; anything longer is not one.
+MAX_SIGNATURE_BYTES: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,15 @@ class VerifiedArtifact:
                 artifact_id=self.manifest.artifact_id,
             ) from None
         try:
-            with open(self.path / rel, "rb") as fh:
-                data = fh.read(entry.bytes + 1)
+            data = read_regular(self.path / rel, f"cached file {rel!r}", entry.bytes)
+        except ArtifactRejected as exc:
+            raise ArtifactRejected(
+                exc.category, exc.detail, artifact_id=self.manifest.artifact_id
+            ) from None
         except OSError as exc:
             raise ArtifactRejected(
                 "missing",
-                f"cached file {rel!r} unreadable: {exc}",
+                f"cached file {rel!r} unreadable: {exc.strerror or exc}",
                 artifact_id=self.manifest.artifact_id,
             ) from exc
         if len(data) != entry.bytes:
@@ -145,6 +151,46 @@ class Lease:
 
     def __del__(self) -> None:
         self.release()
+
+
+def open_regular(path: Path, what: str) -> int:
+    """Open ``path`` for reading only if it is a regular file, without ever blocking.
+
+    ``O_NOFOLLOW`` refuses a symlink; ``O_NONBLOCK`` makes opening a FIFO return at once (a
+    plain open would wait forever for a writer); ``fstat`` on the descriptor judges the file
+    actually opened, not one that was checked by name earlier. O_NONBLOCK is then cleared so
+    reads of the regular file behave normally. ArtifactRejected ``path`` for anything else.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ArtifactRejected("path", f"{what} is a symlink") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ArtifactRejected(
+                "path", f"{what} is not a regular file ({stat.filemode(mode)[0]!r} type)"
+            )
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path, what: str, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of a regular file (one more, so a caller sees "too long")."""
+    fd = open_regular(path, what)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        chunks = []
+        left = limit + 1
+        while left > 0 and (chunk := fh.read(min(left, CHUNK_BYTES))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -203,12 +249,12 @@ class ArtifactCache:
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
-        hit = self._open_entry(digest, recheck, pacer)
+        hit = self._open_entry(digest, recheck, pacer, manifest_uri)
         if hit is not None:
             return hit
         with self._digest_lock(digest):
             # Another fetcher may have published while we waited for the lock.
-            hit = self._open_entry(digest, recheck, pacer)
+            hit = self._open_entry(digest, recheck, pacer, manifest_uri)
             if hit is not None:
                 return hit
             return self._download(manifest_uri, digest, pacer)
@@ -303,14 +349,24 @@ class ArtifactCache:
         shutil.rmtree(target, ignore_errors=True)
 
     def _open_entry(
-        self, digest: str, recheck: str, pacer: LoadPacer | None = None
+        self,
+        digest: str,
+        recheck: str,
+        pacer: LoadPacer | None = None,
+        manifest_uri: str | None = None,
     ) -> VerifiedArtifact | None:
+        """The published entry for ``digest``, re-checked; None when absent or corrupt (a
+        corrupt one is set aside). With a trust key its signature is checked on every hit: an
+        entry may have been published by a process without one."""
         entry = self.artifacts_dir / digest
         if not (entry / COMPLETE_MARKER_NAME).is_file():
             return None
         started = time.monotonic()
         try:
-            manifest = parse_manifest((entry / MANIFEST_NAME).read_bytes(), digest)
+            manifest_bytes = read_regular(
+                entry / MANIFEST_NAME, "cached manifest", MAX_MANIFEST_BYTES
+            )
+            manifest = parse_manifest(manifest_bytes, digest)
             for item in manifest.files:
                 st = os.lstat(entry / item.path)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != item.bytes:
@@ -319,14 +375,56 @@ class ArtifactCache:
                 self._run_parallel(
                     manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
                 )
+            stored_signature = self._stored_signature(entry)
         except (OSError, ArtifactRejected):
             with self._digest_lock(digest):
                 self._set_aside(entry, "corrupt")
             return None
+        if self._trust_key is not None:
+            # Not a sign of corruption: the entry stays for consumers that need no signature.
+            self._check_signature_of_hit(manifest, manifest_bytes, stored_signature, manifest_uri)
         os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
         return VerifiedArtifact(
             entry, manifest, digest, cached=True, timings={"verify_s": time.monotonic() - started}
         )
+
+    @staticmethod
+    def _stored_signature(entry: Path) -> bytes | None:
+        try:
+            return read_regular(entry / SIGNATURE_NAME, "cached signature", MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def _check_signature_of_hit(
+        self,
+        manifest: Manifest,
+        manifest_bytes: bytes,
+        stored_signature: bytes | None,
+        manifest_uri: str | None,
+    ) -> None:
+        """ArtifactRejected ``signature`` unless the manifest of a hit verifies with the trust
+        key: with the signature stored in the entry, else with the one the source holds now
+        (the manifest bytes are pinned by digest; a signature added or renewed at the source
+        after the entry was published, e.g. on key rotation, is as good)."""
+        assert self._trust_key is not None
+        try:
+            verify_manifest_signature(manifest_bytes, stored_signature, self._trust_key)
+            return
+        except ArtifactRejected as exc:
+            stored_failure = ArtifactRejected(
+                "signature", f"cached copy: {exc.detail}", artifact_id=manifest.artifact_id
+            )
+        if manifest_uri is None:
+            raise stored_failure
+        current = ArtifactSource(manifest_uri).read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
+        if current is None or current == stored_signature:
+            raise stored_failure
+        try:
+            verify_manifest_signature(manifest_bytes, current, self._trust_key)
+        except ArtifactRejected as exc:
+            raise ArtifactRejected(
+                "signature", exc.detail, artifact_id=manifest.artifact_id
+            ) from None
 
     @staticmethod
     def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
@@ -394,7 +492,7 @@ class ArtifactCache:
         if manifest_bytes is None:
             raise ArtifactRejected("missing", f"no manifest at {manifest_uri}")
         manifest = parse_manifest(manifest_bytes, digest)
-        signature = source.read_small(SIGNATURE_NAME, limit=4096)
+        signature = source.read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
         try:
             if self._trust_key is not None:
                 verify_manifest_signature(manifest_bytes, signature, self._trust_key)
@@ -435,7 +533,7 @@ class ArtifactCache:
                     raise
                 # Someone published the same digest (e.g. without our lock): one copy wins.
                 shutil.rmtree(tmp, ignore_errors=True)
-                hit = self._open_entry(digest, "sizes")
+                hit = self._open_entry(digest, "sizes", manifest_uri=manifest_uri)
                 if hit is None:
                     raise
                 return hit
