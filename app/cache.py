@@ -55,6 +55,10 @@ HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
 # A signature file holds the base64 of 64 bytes and a newline; anything longer is not one.
 MAX_SIGNATURE_BYTES: Final = 4096
+MAX_MARKER_BYTES: Final = 64 << 10
+# Lock and lease files, directories: opened without following a symlink planted in their place.
+_LOCK_FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class Lease:
     """Pins one cache entry against eviction while held (a shared flock)."""
 
     def __init__(self, path: Path) -> None:
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(path, _LOCK_FILE_FLAGS, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
@@ -194,7 +198,7 @@ def read_regular(path: Path, what: str, limit: int) -> bytes:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, _DIRECTORY_FLAGS)
     try:
         os.fsync(fd)
     finally:
@@ -254,7 +258,7 @@ class ArtifactCache:
             return hit
         with self._digest_lock(digest):
             # Another fetcher may have published while we waited for the lock.
-            hit = self._open_entry(digest, recheck, pacer, manifest_uri)
+            hit = self._open_entry(digest, recheck, pacer, manifest_uri, holding_lock=True)
             if hit is not None:
                 return hit
             return self._download(manifest_uri, digest, pacer)
@@ -269,9 +273,9 @@ class ArtifactCache:
         for entry in self.artifacts_dir.iterdir():
             marker = entry / COMPLETE_MARKER_NAME
             try:
-                info = json.loads(marker.read_bytes())
+                info = json.loads(read_regular(marker, "completion marker", MAX_MARKER_BYTES))
                 found.append((entry.name, int(info["bytes"]), marker.stat().st_mtime))
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError, ArtifactRejected):
                 continue
         return sorted(found, key=lambda item: item[2])
 
@@ -301,7 +305,8 @@ class ArtifactCache:
         removed = []
         for tmp in self.tmp_dir.iterdir():
             try:
-                fd = os.open(tmp, os.O_RDONLY)
+                # Only directories are ours; O_NONBLOCK: a FIFO here must not block the open.
+                fd = os.open(tmp, _DIRECTORY_FLAGS | os.O_NONBLOCK)
             except OSError:
                 continue
             try:
@@ -322,7 +327,7 @@ class ArtifactCache:
 
     @contextlib.contextmanager
     def _digest_lock(self, digest: str) -> Iterator[None]:
-        fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.locks_dir / f"{digest}.lock", _LOCK_FILE_FLAGS, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -330,8 +335,8 @@ class ArtifactCache:
             os.close(fd)
 
     def _remove_unless_in_use(self, digest: str) -> bool:
-        lease_fd = os.open(self.leases_dir / f"{digest}.lease", os.O_RDWR | os.O_CREAT, 0o644)
-        lock_fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lease_fd = os.open(self.leases_dir / f"{digest}.lease", _LOCK_FILE_FLAGS, 0o644)
+        lock_fd = os.open(self.locks_dir / f"{digest}.lock", _LOCK_FILE_FLAGS, 0o644)
         try:
             if not (_try_flock(lease_fd, fcntl.LOCK_EX) and _try_flock(lock_fd, fcntl.LOCK_EX)):
                 return False
@@ -354,15 +359,21 @@ class ArtifactCache:
         recheck: str,
         pacer: LoadPacer | None = None,
         manifest_uri: str | None = None,
+        *,
+        holding_lock: bool = False,
     ) -> VerifiedArtifact | None:
         """The published entry for ``digest``, re-checked; None when absent or corrupt (a
-        corrupt one is set aside). With a trust key its signature is checked on every hit: an
-        entry may have been published by a process without one."""
+        corrupt one is set aside, under the digest lock: ``holding_lock`` says the caller holds
+        it already, a second flock of it from this process would wait for itself). With a
+        trust key its signature is checked on every hit: an entry may have been published by a
+        process without one."""
         entry = self.artifacts_dir / digest
-        if not (entry / COMPLETE_MARKER_NAME).is_file():
+        if not os.path.lexists(entry):
             return None
         started = time.monotonic()
         try:
+            if not stat.S_ISREG(os.lstat(entry / COMPLETE_MARKER_NAME).st_mode):
+                raise ArtifactRejected("path", "completion marker is not a regular file")
             manifest_bytes = read_regular(
                 entry / MANIFEST_NAME, "cached manifest", MAX_MANIFEST_BYTES
             )
@@ -377,8 +388,11 @@ class ArtifactCache:
                 )
             stored_signature = self._stored_signature(entry)
         except (OSError, ArtifactRejected):
-            with self._digest_lock(digest):
+            if holding_lock:
                 self._set_aside(entry, "corrupt")
+            else:
+                with self._digest_lock(digest):
+                    self._set_aside(entry, "corrupt")
             return None
         if self._trust_key is not None:
             # Not a sign of corruption: the entry stays for consumers that need no signature.
@@ -429,10 +443,14 @@ class ArtifactCache:
     @staticmethod
     def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
         h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as fh:
-            while chunk := fh.read(CHUNK_BYTES):
+        left = item.bytes + 1  # one more than declared: a grown file is seen, not read forever
+        with os.fdopen(open_regular(path, f"cached {item.path!r}"), "rb", buffering=0) as fh:
+            while left > 0 and (chunk := fh.read(min(CHUNK_BYTES, left))):
+                left -= len(chunk)
                 h.update(chunk)
                 checkpoint(pacer)
+        if left != 1:
+            raise ArtifactRejected("size", f"cached {item.path!r} changed size")
         if h.hexdigest() != item.sha256:
             raise ArtifactRejected("digest", f"cached {item.path!r} does not match its digest")
 
@@ -504,7 +522,7 @@ class ArtifactCache:
         self.evict(reserve=manifest.total_bytes)
 
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}.", dir=self.tmp_dir))
-        tmp_fd = os.open(tmp, os.O_RDONLY)
+        tmp_fd = os.open(tmp, _DIRECTORY_FLAGS)
         fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
         try:
             self._run_parallel(
@@ -533,7 +551,9 @@ class ArtifactCache:
                     raise
                 # Someone published the same digest (e.g. without our lock): one copy wins.
                 shutil.rmtree(tmp, ignore_errors=True)
-                hit = self._open_entry(digest, "sizes", manifest_uri=manifest_uri)
+                hit = self._open_entry(
+                    digest, "sizes", manifest_uri=manifest_uri, holding_lock=True
+                )
                 if hit is None:
                     raise
                 return hit
