@@ -52,7 +52,7 @@ from app.manifest import (
     is_sha256_hex,
     parse_manifest,
 )
-from app.safe_text import terminal_safe
+from app.safe_text import redact_uri, terminal_safe
 from app.signing import load_public_key, verify_manifest_signature
 
 GiB: Final = 1 << 30
@@ -669,7 +669,7 @@ class ArtifactCache:
         source = ArtifactSource(manifest_uri)
         manifest_bytes = source.read_small(None)
         if manifest_bytes is None:
-            raise ArtifactRejected("missing", f"no manifest at {manifest_uri}")
+            raise ArtifactRejected("missing", f"no manifest at {redact_uri(manifest_uri)}")
         manifest = parse_manifest(manifest_bytes, digest)
         signature = source.read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
         try:
@@ -698,7 +698,7 @@ class ArtifactCache:
                 "manifest_sha256": digest,
                 "artifact_id": manifest.artifact_id,
                 "bytes": manifest.total_bytes,
-                "source": manifest_uri,
+                "source": redact_uri(manifest_uri),  # for people; credentials stay out
                 "fetched_at": time.time(),
             }
             self._write_synced(tmp / COMPLETE_MARKER_NAME, json.dumps(marker).encode())
