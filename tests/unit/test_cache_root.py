@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,28 @@ def test_rollout_verify_refuses_a_cache_dir_that_is_not_a_cache(tmp_path):
     assert proc.stderr.startswith("error[config]: cache_dir "), proc.stderr
     assert (root / "tmp" / "work" / "draft.txt").read_text() == "unsaved"
     assert sorted(os.listdir(root)) == ["tmp"]
+
+
+def test_openers_racing_on_a_new_directory_all_get_the_cache(tmp_path):
+    # Replicas of one node start together on a fresh cache_dir: none may see another's
+    # half-made cache as "not a cache".
+    root = tmp_path / "fresh"
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def open_it() -> None:
+        start.wait()
+        try:
+            ArtifactCache(root)
+        except BaseException as exc:  # collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sorted(os.listdir(root)) == sorted(
+        [CACHE_MARKER_NAME, "artifacts", "tmp", "locks", "leases"]
+    )
