@@ -187,15 +187,24 @@ def open_regular(path: Path, what: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise ArtifactRejected(
-                "path", f"{what} is not a regular file ({stat.filemode(mode)[0]!r} type)"
-            )
+            raise ArtifactRejected("path", f"{what} is not a regular file but {_kind(mode)}")
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for is_kind, name in kinds if is_kind(mode)), f"mode {oct(mode)}")
 
 
 def read_regular(path: Path, what: str, limit: int) -> bytes:

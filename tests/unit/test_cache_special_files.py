@@ -75,7 +75,7 @@ def test_fifo_in_place_of_a_cached_file_is_refused_on_read(artifact, cache):
     with pytest.raises(ArtifactRejected) as info:
         call_guarded(lambda: got.read_verified("weights.bin"), fifo)
     assert info.value.category == "path", info.value
-    assert "weights.bin" in info.value.detail and "regular file" in info.value.detail
+    assert "weights.bin" in info.value.detail and "a FIFO" in info.value.detail
 
 
 def test_fifo_in_place_of_the_weights_is_a_path_rejection_of_the_loader(tmp_path):
