@@ -191,7 +191,9 @@ def _deserialize(
             # Saved from the meta device, a tensor has a shape and no data: refused here, it
             # would fail later as NotImplementedError when the model is moved.
             raise ArtifactRejected(
-                "load", f"{key} in {name} is a {tensor.device.type} tensor: it holds no data"
+                "load",
+                f"{key} in {name} is on the {tensor.device.type} device, not cpu"
+                + (" (a meta tensor holds no data)" if tensor.is_meta else ""),
             )
     return state
 
