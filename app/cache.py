@@ -2,6 +2,8 @@
 
 Layout under ``root``::
 
+    .ray-rollout-cache             marks the directory as a cache (format version); a cache
+                                   opens, and so sweeps, nothing else (claim_cache_root)
     artifacts/<manifest_sha256>/   published entries: manifest.json, files, .complete.json
     tmp/<prefix>.<random>/         downloads in progress (flock held on the directory)
     locks/<manifest_sha256>.lock   one fetcher per digest at a time (flock, exclusive)
@@ -12,6 +14,10 @@ SHA-256 with the manifest, fsyncs files and directories, writes the completion m
 renames the directory into place in one step. A crash leaves only temp directories whose lock
 is gone; they are swept when a cache is opened. Nothing under ``artifacts/`` is ever written in
 place.
+
+A hit is re-checked (sizes, or digests), its signature verified when a trust key is set (an
+entry may come from a process without one), and every cached file is opened so that nothing
+swapped in after publication can block a reader or redirect it (``open_regular``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -33,17 +40,19 @@ from pathlib import Path
 from typing import Final, Literal
 
 from app.artifact_store import ArtifactSource
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, ConfigError
 from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SIGNATURE_NAME,
     FileEntry,
     Manifest,
     is_sha256_hex,
     parse_manifest,
 )
+from app.safe_text import redact_uri, terminal_safe
 from app.signing import load_public_key, verify_manifest_signature
 
 GiB: Final = 1 << 30
@@ -52,6 +61,17 @@ CHUNK_BYTES: Final = 8 << 20
 # each (a few ms of SHA-256): one call over a whole file would be one long burst.
 HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
+# A signature file holds the base64 of 64 bytes and a newline; anything longer is not one.
+MAX_SIGNATURE_BYTES: Final = 4096
+MAX_MARKER_BYTES: Final = 64 << 10
+# Written in a cache's root when it is created: only a directory that holds it (or an empty
+# one, or a cache from before the marker) is ever opened, and so swept.
+CACHE_MARKER_NAME: Final = ".ray-rollout-cache"
+CACHE_FORMAT: Final = "ray-rollout-cache"
+CACHE_FORMAT_VERSION: Final = 1
+# Lock and lease files, directories: opened without following a symlink planted in their place.
+_LOCK_FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -96,12 +116,15 @@ class VerifiedArtifact:
                 artifact_id=self.manifest.artifact_id,
             ) from None
         try:
-            with open(self.path / rel, "rb") as fh:
-                data = fh.read(entry.bytes + 1)
+            data = read_regular(self.path / rel, f"cached file {rel!r}", entry.bytes)
+        except ArtifactRejected as exc:
+            raise ArtifactRejected(
+                exc.category, exc.detail, artifact_id=self.manifest.artifact_id
+            ) from None
         except OSError as exc:
             raise ArtifactRejected(
                 "missing",
-                f"cached file {rel!r} unreadable: {exc}",
+                f"cached file {rel!r} unreadable: {exc.strerror or exc}",
                 artifact_id=self.manifest.artifact_id,
             ) from exc
         if len(data) != entry.bytes:
@@ -129,7 +152,7 @@ class Lease:
     """Pins one cache entry against eviction while held (a shared flock)."""
 
     def __init__(self, path: Path) -> None:
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(path, _LOCK_FILE_FLAGS, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
@@ -147,8 +170,202 @@ class Lease:
         self.release()
 
 
+def open_regular(path: Path, what: str) -> int:
+    """Open ``path`` for reading only if it is a regular file, without ever blocking.
+
+    ``O_NOFOLLOW`` refuses a symlink; ``O_NONBLOCK`` makes opening a FIFO return at once (a
+    plain open would wait forever for a writer); ``fstat`` on the descriptor judges the file
+    actually opened, not one that was checked by name earlier. O_NONBLOCK is then cleared so
+    reads of the regular file behave normally. ArtifactRejected ``path`` for anything else.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ArtifactRejected("path", f"{what} is a symlink") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ArtifactRejected("path", f"{what} is not a regular file but {_kind(mode)}")
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for is_kind, name in kinds if is_kind(mode)), f"mode {oct(mode)}")
+
+
+def read_regular(path: Path, what: str, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of a regular file (one more, so a caller sees "too long")."""
+    fd = open_regular(path, what)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        chunks = []
+        left = limit + 1
+        while left > 0 and (chunk := fh.read(min(left, CHUNK_BYTES))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------- the cache's root
+
+_LAYOUT: Final = ("artifacts", "tmp", "locks", "leases")
+# What the code before the marker left in each directory of the layout (names it makes).
+_DIGEST = "[0-9a-f]{64}"
+_PREMARKER_NAMES: Final = {
+    "artifacts": re.compile(_DIGEST),
+    "tmp": re.compile(r"(?:[0-9a-f]{16}|incomplete|evicted|corrupt)\.[A-Za-z0-9_]+"),
+    "locks": re.compile(_DIGEST + r"\.lock"),
+    "leases": re.compile(_DIGEST + r"\.lease"),
+}
+_PREMARKER_KINDS: Final = {
+    "artifacts": stat.S_ISDIR,
+    "tmp": stat.S_ISDIR,
+    "locks": stat.S_ISREG,
+    "leases": stat.S_ISREG,
+}
+
+
+def _cache_dir_error(root: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        f"cache_dir {terminal_safe(str(root))}: {problem}; nothing in it was changed",
+        field="cache_dir",
+    )
+
+
+def claim_cache_root(root: Path) -> None:
+    """Make sure ``root`` is an artifact cache before anything sweeps it.
+
+    A cache deletes unlocked directories under ``tmp/`` and unmarked ones under
+    ``artifacts/`` when it opens, so a mistyped ``cache_dir`` (``/``, a home directory) must
+    never be opened. ``root`` is used when it holds the marker (written by a cache of a format
+    this code reads), is new or empty (then it is marked), or is a cache made before the
+    marker existed: exactly the four directories of the layout holding only names that cache
+    made (then it is marked too). Anything else: ConfigError, before anything is written.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cache_dir_error(root, f"cannot be created ({exc.strerror or exc})") from None
+    marker = root / CACHE_MARKER_NAME
+    for _attempt in range(3):
+        info = _read_cache_marker(root, marker)
+        if info is not None:
+            _check_cache_format(root, info)
+            return
+        try:
+            names = os.listdir(root)
+        except OSError as exc:
+            raise _cache_dir_error(root, f"cannot be listed ({exc.strerror or exc})") from None
+        if CACHE_MARKER_NAME in names:
+            continue  # marked by a concurrent opener since we looked
+        # Temp files of a concurrent opener writing the marker (see _write_cache_marker).
+        names = [n for n in names if not n.startswith(CACHE_MARKER_NAME + ".")]
+        if names and not _is_premarker_cache(root, names):
+            raise _cache_dir_error(
+                root,
+                f"is not empty and is not an artifact cache (no {CACHE_MARKER_NAME} marker); "
+                "point cache_dir at a new or empty directory",
+            )
+        _write_cache_marker(root, marker)
+    info = _read_cache_marker(root, marker)
+    if info is None:  # pragma: no cover - the marker was removed as we wrote it, three times
+        raise _cache_dir_error(root, f"its {CACHE_MARKER_NAME} marker keeps disappearing")
+    _check_cache_format(root, info)
+
+
+def _read_cache_marker(root: Path, marker: Path) -> dict[str, object] | None:
+    try:
+        data = read_regular(marker, CACHE_MARKER_NAME, MAX_MARKER_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, ArtifactRejected) as exc:
+        raise _cache_dir_error(root, f"unreadable {CACHE_MARKER_NAME} marker ({exc})") from None
+    try:
+        info = json.loads(data)
+    except ValueError:
+        info = None
+    if not isinstance(info, dict) or info.get("format") != CACHE_FORMAT:
+        raise _cache_dir_error(root, f"{CACHE_MARKER_NAME} is not a cache marker")
+    return info
+
+
+def _check_cache_format(root: Path, info: dict[str, object]) -> None:
+    version = info.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise _cache_dir_error(root, f"{CACHE_MARKER_NAME} has no valid version ({version!r})")
+    if version > CACHE_FORMAT_VERSION:
+        raise _cache_dir_error(
+            root,
+            f"is a cache of format version {version}, this code reads up to {CACHE_FORMAT_VERSION}",
+        )
+
+
+def _is_premarker_cache(root: Path, names: list[str]) -> bool:
+    if sorted(names) != sorted(_LAYOUT):
+        return False
+    for name in _LAYOUT:
+        directory = root / name
+        try:
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                return False
+            children = os.listdir(directory)
+        except OSError:
+            return False
+        pattern, is_kind = _PREMARKER_NAMES[name], _PREMARKER_KINDS[name]
+        for child in children:
+            if not pattern.fullmatch(child):
+                return False
+            try:
+                if not is_kind(os.lstat(directory / child).st_mode):
+                    return False
+            except OSError:
+                return False
+    return True
+
+
+def _write_cache_marker(root: Path, marker: Path) -> None:
+    """Publish the marker whole (a temp file hard-linked into place), or find that another
+    opener did: a reader never sees a half-written marker."""
+    data = json.dumps({"format": CACHE_FORMAT, "version": CACHE_FORMAT_VERSION}).encode()
+    fd, temp = tempfile.mkstemp(prefix=CACHE_MARKER_NAME + ".", suffix=".tmp", dir=root)
+    try:
+        try:
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, marker)
+        except FileExistsError:
+            pass  # a concurrent opener marked it first
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise _cache_dir_error(root, f"cannot be marked ({exc.strerror})") from None
+            # No hard links on this filesystem: rename replaces atomically (same content).
+            os.rename(temp, marker)
+    except OSError as exc:
+        raise _cache_dir_error(root, f"cannot be marked ({exc.strerror or exc})") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    _fsync_dir(root)
+
+
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, _DIRECTORY_FLAGS)
     try:
         os.fsync(fd)
     finally:
@@ -172,16 +389,19 @@ class ArtifactCache:
         limits: CacheLimits | None = None,
         trust_key: Path | str | None = None,
     ) -> None:
+        """Open (or create) the cache at ``root``. ConfigError (field ``cache_dir``) for a
+        directory that is not a cache: see ``claim_cache_root``; nothing in it is touched."""
         self.root = Path(root)
         self.byte_budget = byte_budget
         self.limits = limits or CacheLimits()
         self._trust_key = load_public_key(Path(trust_key)) if trust_key else None
+        claim_cache_root(self.root)
         self.artifacts_dir = self.root / "artifacts"
         self.tmp_dir = self.root / "tmp"
         self.locks_dir = self.root / "locks"
         self.leases_dir = self.root / "leases"
         for d in (self.artifacts_dir, self.tmp_dir, self.locks_dir, self.leases_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(exist_ok=True)
         self.swept = self.sweep()
 
     # ------------------------------------------------------------------ public surface
@@ -203,12 +423,12 @@ class ArtifactCache:
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
-        hit = self._open_entry(digest, recheck, pacer)
+        hit = self._open_entry(digest, recheck, pacer, manifest_uri)
         if hit is not None:
             return hit
         with self._digest_lock(digest):
             # Another fetcher may have published while we waited for the lock.
-            hit = self._open_entry(digest, recheck, pacer)
+            hit = self._open_entry(digest, recheck, pacer, manifest_uri, holding_lock=True)
             if hit is not None:
                 return hit
             return self._download(manifest_uri, digest, pacer)
@@ -223,9 +443,9 @@ class ArtifactCache:
         for entry in self.artifacts_dir.iterdir():
             marker = entry / COMPLETE_MARKER_NAME
             try:
-                info = json.loads(marker.read_bytes())
+                info = json.loads(read_regular(marker, "completion marker", MAX_MARKER_BYTES))
                 found.append((entry.name, int(info["bytes"]), marker.stat().st_mtime))
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError, ArtifactRejected):
                 continue
         return sorted(found, key=lambda item: item[2])
 
@@ -255,7 +475,8 @@ class ArtifactCache:
         removed = []
         for tmp in self.tmp_dir.iterdir():
             try:
-                fd = os.open(tmp, os.O_RDONLY)
+                # Only directories are ours; O_NONBLOCK: a FIFO here must not block the open.
+                fd = os.open(tmp, _DIRECTORY_FLAGS | os.O_NONBLOCK)
             except OSError:
                 continue
             try:
@@ -276,7 +497,7 @@ class ArtifactCache:
 
     @contextlib.contextmanager
     def _digest_lock(self, digest: str) -> Iterator[None]:
-        fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.locks_dir / f"{digest}.lock", _LOCK_FILE_FLAGS, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -284,8 +505,8 @@ class ArtifactCache:
             os.close(fd)
 
     def _remove_unless_in_use(self, digest: str) -> bool:
-        lease_fd = os.open(self.leases_dir / f"{digest}.lease", os.O_RDWR | os.O_CREAT, 0o644)
-        lock_fd = os.open(self.locks_dir / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lease_fd = os.open(self.leases_dir / f"{digest}.lease", _LOCK_FILE_FLAGS, 0o644)
+        lock_fd = os.open(self.locks_dir / f"{digest}.lock", _LOCK_FILE_FLAGS, 0o644)
         try:
             if not (_try_flock(lease_fd, fcntl.LOCK_EX) and _try_flock(lock_fd, fcntl.LOCK_EX)):
                 return False
@@ -303,14 +524,30 @@ class ArtifactCache:
         shutil.rmtree(target, ignore_errors=True)
 
     def _open_entry(
-        self, digest: str, recheck: str, pacer: LoadPacer | None = None
+        self,
+        digest: str,
+        recheck: str,
+        pacer: LoadPacer | None = None,
+        manifest_uri: str | None = None,
+        *,
+        holding_lock: bool = False,
     ) -> VerifiedArtifact | None:
+        """The published entry for ``digest``, re-checked; None when absent or corrupt (a
+        corrupt one is set aside, under the digest lock: ``holding_lock`` says the caller holds
+        it already, a second flock of it from this process would wait for itself). With a
+        trust key its signature is checked on every hit: an entry may have been published by a
+        process without one."""
         entry = self.artifacts_dir / digest
-        if not (entry / COMPLETE_MARKER_NAME).is_file():
+        if not os.path.lexists(entry):
             return None
         started = time.monotonic()
         try:
-            manifest = parse_manifest((entry / MANIFEST_NAME).read_bytes(), digest)
+            if not stat.S_ISREG(os.lstat(entry / COMPLETE_MARKER_NAME).st_mode):
+                raise ArtifactRejected("path", "completion marker is not a regular file")
+            manifest_bytes = read_regular(
+                entry / MANIFEST_NAME, "cached manifest", MAX_MANIFEST_BYTES
+            )
+            manifest = parse_manifest(manifest_bytes, digest)
             for item in manifest.files:
                 st = os.lstat(entry / item.path)
                 if not stat.S_ISREG(st.st_mode) or st.st_size != item.bytes:
@@ -319,22 +556,71 @@ class ArtifactCache:
                 self._run_parallel(
                     manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
                 )
+            stored_signature = self._stored_signature(entry)
         except (OSError, ArtifactRejected):
-            with self._digest_lock(digest):
+            if holding_lock:
                 self._set_aside(entry, "corrupt")
+            else:
+                with self._digest_lock(digest):
+                    self._set_aside(entry, "corrupt")
             return None
+        if self._trust_key is not None:
+            # Not a sign of corruption: the entry stays for consumers that need no signature.
+            self._check_signature_of_hit(manifest, manifest_bytes, stored_signature, manifest_uri)
         os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
         return VerifiedArtifact(
             entry, manifest, digest, cached=True, timings={"verify_s": time.monotonic() - started}
         )
 
     @staticmethod
+    def _stored_signature(entry: Path) -> bytes | None:
+        try:
+            return read_regular(entry / SIGNATURE_NAME, "cached signature", MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def _check_signature_of_hit(
+        self,
+        manifest: Manifest,
+        manifest_bytes: bytes,
+        stored_signature: bytes | None,
+        manifest_uri: str | None,
+    ) -> None:
+        """ArtifactRejected ``signature`` unless the manifest of a hit verifies with the trust
+        key: with the signature stored in the entry, else with the one the source holds now
+        (the manifest bytes are pinned by digest; a signature added or renewed at the source
+        after the entry was published, e.g. on key rotation, is as good)."""
+        assert self._trust_key is not None
+        try:
+            verify_manifest_signature(manifest_bytes, stored_signature, self._trust_key)
+            return
+        except ArtifactRejected as exc:
+            stored_failure = ArtifactRejected(
+                "signature", f"cached copy: {exc.detail}", artifact_id=manifest.artifact_id
+            )
+        if manifest_uri is None:
+            raise stored_failure
+        current = ArtifactSource(manifest_uri).read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
+        if current is None or current == stored_signature:
+            raise stored_failure
+        try:
+            verify_manifest_signature(manifest_bytes, current, self._trust_key)
+        except ArtifactRejected as exc:
+            raise ArtifactRejected(
+                "signature", exc.detail, artifact_id=manifest.artifact_id
+            ) from None
+
+    @staticmethod
     def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
         h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as fh:
-            while chunk := fh.read(CHUNK_BYTES):
+        left = item.bytes + 1  # one more than declared: a grown file is seen, not read forever
+        with os.fdopen(open_regular(path, f"cached {item.path!r}"), "rb", buffering=0) as fh:
+            while left > 0 and (chunk := fh.read(min(CHUNK_BYTES, left))):
+                left -= len(chunk)
                 h.update(chunk)
                 checkpoint(pacer)
+        if left != 1:
+            raise ArtifactRejected("size", f"cached {item.path!r} changed size")
         if h.hexdigest() != item.sha256:
             raise ArtifactRejected("digest", f"cached {item.path!r} does not match its digest")
 
@@ -392,9 +678,9 @@ class ArtifactCache:
         source = ArtifactSource(manifest_uri)
         manifest_bytes = source.read_small(None)
         if manifest_bytes is None:
-            raise ArtifactRejected("missing", f"no manifest at {manifest_uri}")
+            raise ArtifactRejected("missing", f"no manifest at {redact_uri(manifest_uri)}")
         manifest = parse_manifest(manifest_bytes, digest)
-        signature = source.read_small(SIGNATURE_NAME, limit=4096)
+        signature = source.read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
         try:
             if self._trust_key is not None:
                 verify_manifest_signature(manifest_bytes, signature, self._trust_key)
@@ -406,7 +692,7 @@ class ArtifactCache:
         self.evict(reserve=manifest.total_bytes)
 
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}.", dir=self.tmp_dir))
-        tmp_fd = os.open(tmp, os.O_RDONLY)
+        tmp_fd = os.open(tmp, _DIRECTORY_FLAGS)
         fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
         try:
             self._run_parallel(
@@ -421,7 +707,7 @@ class ArtifactCache:
                 "manifest_sha256": digest,
                 "artifact_id": manifest.artifact_id,
                 "bytes": manifest.total_bytes,
-                "source": manifest_uri,
+                "source": redact_uri(manifest_uri),  # for people; credentials stay out
                 "fetched_at": time.time(),
             }
             self._write_synced(tmp / COMPLETE_MARKER_NAME, json.dumps(marker).encode())
@@ -435,7 +721,9 @@ class ArtifactCache:
                     raise
                 # Someone published the same digest (e.g. without our lock): one copy wins.
                 shutil.rmtree(tmp, ignore_errors=True)
-                hit = self._open_entry(digest, "sizes")
+                hit = self._open_entry(
+                    digest, "sizes", manifest_uri=manifest_uri, holding_lock=True
+                )
                 if hit is None:
                     raise
                 return hit

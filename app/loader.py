@@ -1,8 +1,10 @@
 """Turn a verified artifact into a servable model, or reject it with a category.
 
-    compatibility -> memory budget -> build from service code -> strict load of the verified
-    bytes -> placement -> eval -> dry run on service-owned requests -> output validation ->
-    CUDA synchronize
+    compatibility -> memory budget -> build from service code (meta device) -> what the
+    weights file declares (stored zip records / safetensors header: keys, shapes, dtypes,
+    sizes) checked before any tensor is read -> strict load of the verified bytes ->
+    placement -> eval -> dry run on service-owned requests -> output validation -> CUDA
+    synchronize
 
 Rejections (ArtifactRejected): ``runtime`` (runtime, precision, architecture or torch version
 not supported), ``schema`` (feature schema, normalization/label files), ``load`` (bytes that do
@@ -15,7 +17,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
+import math
+import struct
 import time
+import zipfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -55,6 +61,13 @@ TORCH_REQUIREMENT_KEY: Final = ("requires", "torch")
 DRY_RUN_MAX_ROWS: Final = 24 * 16
 # Scores of a request must not depend on what else is in its batch (beyond kernel rounding).
 BATCH_INVARIANCE_ATOL: Final = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+# What a weights file may be made of (app.loader._check_zip_records, _check_safetensors_header).
+SAFETENSORS_DTYPES: Final = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
+MAX_SAFETENSORS_HEADER_BYTES: Final = 100 << 20  # the safetensors format's own limit
+MAX_ZIP_RECORDS: Final = 4096
+ZIP_LOCAL_HEADER_SIGNATURE: Final = b"PK\x03\x04"
+ZIP_LOCAL_HEADER_BYTES: Final = 30
+ZIP_FLAG_ENCRYPTED: Final = 0x1
 
 
 def default_device() -> torch.device:
@@ -149,21 +162,211 @@ def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return stored
 
 
-def _deserialize(data: bytes, runtime: str) -> dict[str, torch.Tensor]:
+def _deserialize(
+    data: bytes, runtime: str, model: RankerMLP, precision: str
+) -> dict[str, torch.Tensor]:
+    """The state dict in ``data``, with what it declares checked against ``model`` (on the
+    meta device) before a single tensor is read: its bytes can then cost no more than the file
+    and the architecture say."""
+    name = WEIGHTS_FILES[runtime]
+    if runtime == "safetensors":
+        _check_safetensors_header(data, model, precision)
+    else:
+        _check_zip_records(data)
+        _check_declared(_load_torch(data, "meta"), model, precision, name)
     try:
         if runtime == "safetensors":
             state = safetensors.torch.load(data)
         else:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            state = _load_torch(data, "cpu")
+    except ArtifactRejected:
+        raise
     except Exception as exc:  # any failure to parse untrusted bytes is a load rejection
         raise ArtifactRejected(
-            "load", f"cannot deserialize {WEIGHTS_FILES[runtime]}: {type(exc).__name__}: {exc}"
+            "load", f"cannot deserialize {name}: {type(exc).__name__}: {exc}"
         ) from None
+    _check_flat(state, name)
+    for key, tensor in state.items():
+        if tensor.device.type != "cpu":
+            # Saved from the meta device, a tensor has a shape and no data: refused here, it
+            # would fail later as NotImplementedError when the model is moved.
+            raise ArtifactRejected(
+                "load",
+                f"{key} in {name} is on the {tensor.device.type} device, not cpu"
+                + (" (a meta tensor holds no data)" if tensor.is_meta else ""),
+            )
+    return state
+
+
+def _load_torch(data: bytes, map_location: str) -> Any:
+    """``torch.load`` of untrusted bytes: ``weights_only`` (no code runs); on ``"meta"`` it
+    reads only the pickle, so shapes, dtypes and storage sizes come without their data."""
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as exc:  # any failure to parse untrusted bytes is a load rejection
+        raise ArtifactRejected(
+            "load",
+            f"cannot deserialize {WEIGHTS_FILES['pytorch-state-dict']}: "
+            f"{type(exc).__name__}: {exc}",
+        ) from None
+
+
+def _check_flat(state: object, name: str) -> None:
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
-        raise ArtifactRejected("load", "weights are not a flat mapping of names to tensors")
-    return state
+        raise ArtifactRejected(
+            "load", f"{name}: weights are not a flat mapping of names to tensors"
+        )
+
+
+def _check_zip_records(data: bytes) -> None:
+    """``weights.pt`` is a zip archive of stored (uncompressed) records that lie side by side
+    inside the file. torch's reader inflates DEFLATE records, so one compressed record could
+    expand to any size (a decompression bomb); stored records that neither overlap nor run
+    past the end cannot, together, hold more bytes than the file."""
+    name = WEIGHTS_FILES["pytorch-state-dict"]
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except Exception as exc:  # zipfile raises several kinds on malformed archives
+        raise _unreadable(
+            name,
+            f"it is not a torch.save zip archive ({type(exc).__name__}: {exc}); the legacy "
+            "(pre-zip) format is not accepted",
+        ) from None
+    if len(infos) > MAX_ZIP_RECORDS:
+        raise _unreadable(name, f"has {len(infos)} records (max {MAX_ZIP_RECORDS})")
+    spans: list[tuple[int, int, str]] = []
+    seen: set[str] = set()
+    for info in infos:
+        record = info.filename
+        if record in seen:
+            raise _unreadable(name, f"holds record {record!r} twice")
+        seen.add(record)
+        offset = info.header_offset
+        local_method = None
+        if 0 <= offset <= len(data) - ZIP_LOCAL_HEADER_BYTES and data[offset : offset + 4] == (
+            ZIP_LOCAL_HEADER_SIGNATURE
+        ):
+            (local_method,) = struct.unpack_from("<H", data, offset + 8)
+        if info.compress_type != zipfile.ZIP_STORED or local_method not in (None, 0):
+            raise _unreadable(
+                name,
+                f"record {record!r} is compressed (method {info.compress_type}); only "
+                "stored (uncompressed) records are accepted",
+            )
+        if local_method is None:
+            raise _unreadable(name, f"record {record!r} has no local header")
+        if info.flag_bits & ZIP_FLAG_ENCRYPTED or info.compress_size != info.file_size:
+            raise _unreadable(name, f"record {record!r} is not a plain stored record")
+        name_len, extra_len = struct.unpack_from("<HH", data, offset + 26)
+        end = offset + ZIP_LOCAL_HEADER_BYTES + name_len + extra_len + info.file_size
+        if end > len(data):
+            raise _unreadable(
+                name,
+                f"record {record!r} declares {info.file_size} bytes and runs past the "
+                f"end of the {len(data)}-byte file",
+            )
+        spans.append((offset, end, record))
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise _unreadable(name, f"records {first!r} and {second!r} overlap")
+
+
+def _check_declared(state: object, model: RankerMLP, precision: str, name: str) -> None:
+    """What a torch state dict declares (read on the meta device), before its data is read:
+    the architecture's keys, shapes and dtype, and no more storage than the parameters need
+    (a tensor viewing a larger storage would keep all of it alive in the model)."""
+    _check_flat(state, name)
+    assert isinstance(state, dict)
+    _check_state(state, model, precision)
+    declared = sum(t.untyped_storage().nbytes() for t in state.values())
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    if declared > needed:
+        raise ArtifactRejected(
+            "load",
+            f"{name} declares {declared} bytes of tensor storage for {needed} bytes of "
+            "parameters (a tensor is a view of a larger storage); save each tensor on its own",
+        )
+
+
+def _check_safetensors_header(data: bytes, model: RankerMLP, precision: str) -> None:
+    """The safetensors header (8-byte length, JSON) against the architecture and the file,
+    before the library reads a tensor: the right keys, dtype and shapes, and byte ranges that
+    are exactly each tensor's size, inside the file and not overlapping."""
+    name = WEIGHTS_FILES["safetensors"]
+    if len(data) < 8:
+        raise _unreadable(name, f"header: the file is {len(data)} bytes")
+    (header_len,) = struct.unpack_from("<Q", data, 0)
+    if header_len > min(len(data) - 8, MAX_SAFETENSORS_HEADER_BYTES):
+        raise _unreadable(
+            name,
+            f"header declares {header_len} bytes; the file has {len(data) - 8} after "
+            f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
+        )
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except ValueError:  # UnicodeDecodeError included
+        raise _unreadable(name, "header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _unreadable(name, "header is not a JSON object")
+    header.pop("__metadata__", None)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(set(header) - set(expected))
+    if missing or unexpected:
+        raise ArtifactRejected(
+            "load",
+            f"{name} header: state dict does not match the architecture: missing keys "
+            f"{missing}, unexpected keys {unexpected}",
+        )
+    dtype_tag = SAFETENSORS_DTYPES[precision]
+    itemsize = PRECISIONS[precision].itemsize
+    payload = len(data) - 8 - header_len
+    spans: list[tuple[int, int, str]] = []
+    for key in sorted(header):
+        info = header[key]
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ArtifactRejected("load", f"{name} header: {key} is not a tensor entry")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if info["dtype"] != dtype_tag:
+            raise ArtifactRejected(
+                "load",
+                f"{name} header: {key} is {info['dtype']!r} but the manifest says precision "
+                f"{precision} ({dtype_tag})",
+            )
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise ArtifactRejected("load", f"{name} header: {key} has shape {shape!r}")
+        if tuple(shape) != expected[key]:
+            raise ArtifactRejected(
+                "load",
+                f"{name} header: shape mismatch for {key}: declared {tuple(shape)}, "
+                f"architecture {expected[key]}",
+            )
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise ArtifactRejected("load", f"{name} header: {key} has data_offsets {offsets!r}")
+        begin, end = offsets
+        size = math.prod(shape) * itemsize
+        if not begin <= end <= payload or end - begin != size:
+            raise ArtifactRejected(
+                "load",
+                f"{name} header: {key} declares bytes [{begin}, {end}) for {size} bytes of "
+                f"data, in a payload of {payload} bytes",
+            )
+        spans.append((begin, end, key))
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise ArtifactRejected("load", f"{name} header: {first} and {second} overlap")
+
+
+def _unreadable(name: str, problem: str) -> ArtifactRejected:
+    return ArtifactRejected("load", f"cannot deserialize {name}: {problem}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: str) -> None:
@@ -375,7 +578,9 @@ def _memory_estimate(
     weight_bytes = n * compute_dtype.itemsize
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if device.type == "cpu":
-        # The verified file bytes, plus the deserialized tensors when they are upcast.
+        # The verified file bytes, plus the deserialized tensors when they are upcast. The
+        # file bounds what deserializing costs: compressed records are refused and declared
+        # storage may not exceed the parameters (_check_zip_records, _check_declared).
         temporaries = file_bytes + (n * stored.itemsize if stored != compute_dtype else 0)
     else:
         # Tensors move to the device one at a time; the largest is the transient excess.
@@ -419,11 +624,14 @@ def load_verified(
             check_budget(memory)
         normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, pacer))
         labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, pacer))
+        model = build_ranker(manifest.architecture, device="meta")
         state = _deserialize(
-            artifact.read_verified(WEIGHTS_FILES[manifest.runtime], pacer), manifest.runtime
+            artifact.read_verified(WEIGHTS_FILES[manifest.runtime], pacer),
+            manifest.runtime,
+            model,
+            manifest.precision,
         )
         checkpoint(pacer)
-        model = build_ranker(manifest.architecture, device="meta")
         _check_state(state, model, manifest.precision)
         try:
             model.load_state_dict(state, strict=True, assign=True)

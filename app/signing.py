@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -21,22 +22,68 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from app.errors import ArtifactRejected, ConfigError
 
+# O_EXCL: never through an existing file; O_NOFOLLOW (and O_EXCL, which refuses any symlink):
+# never through a symlink planted where the key is to be created.
+_NEW_KEY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+PRIVATE_KEY_MODE = 0o600
+PUBLIC_KEY_MODE = 0o644
+
+
+def _create_key_file(path: Path, mode: int) -> int:
+    """A new file that has ``mode`` from its first byte (the umask can only narrow it)."""
+    try:
+        return os.open(path, _NEW_KEY_FLAGS, mode)
+    except FileExistsError:
+        raise ConfigError(
+            f"keygen: {path} exists (a file or a symlink); refusing to overwrite a key"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"keygen: cannot create {path}: {exc.strerror or exc}") from None
+
+
+def _write_and_close(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 def generate_keypair(private_path: Path, public_path: Path) -> None:
+    """Write a new ed25519 key pair; ConfigError if either path exists (or is a symlink).
+
+    Both files are created before anything is written, so a refusal leaves nothing behind."""
+    private_fd = _create_key_file(private_path, PRIVATE_KEY_MODE)
+    try:
+        public_fd = _create_key_file(public_path, PUBLIC_KEY_MODE)
+    except BaseException:
+        os.close(private_fd)
+        private_path.unlink()
+        raise
     key = Ed25519PrivateKey.generate()
-    private_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
     )
-    private_path.chmod(0o600)
-    public_path.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+    try:
+        _write_and_close(private_fd, private_pem)
+    except BaseException:
+        os.close(public_fd)
+        for path in (private_path, public_path):
+            path.unlink(missing_ok=True)
+        raise
+    try:
+        _write_and_close(public_fd, public_pem)
+    except BaseException:
+        for path in (private_path, public_path):
+            path.unlink(missing_ok=True)
+        raise
 
 
 def _load_private(path: Path) -> Ed25519PrivateKey:
