@@ -176,15 +176,30 @@ class RankerReplica:
         """False until the first (startup) config was applied."""
         return self._config is not None
 
-    def _get_cache(self) -> ArtifactCache:
-        cfg = self.config
-        key = (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key)
-        if self._cache is None or self._cache_key != key:
-            self._cache = ArtifactCache(
+    @staticmethod
+    def _cache_key_of(cfg: ReplicaConfig) -> tuple[str, int | None, str | None]:
+        return (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key)
+
+    def _cache_for(self, cfg: ReplicaConfig) -> ArtifactCache:
+        """The cache ``cfg`` names, opened now so that a directory that is not a cache or a
+        trust key that cannot be read refuses the config (ConfigError naming the field) instead
+        of failing the next load."""
+        if self._cache is not None and self._cache_key == self._cache_key_of(cfg):
+            return self._cache
+        try:
+            return ArtifactCache(
                 Path(cfg.cache_dir), byte_budget=cfg.cache_byte_budget, trust_key=cfg.trust_key
             )
-            self._cache_key = key
-        return self._cache
+        except ConfigError as exc:
+            # The cache names its directory's errors; the only other one is the key's.
+            field = "cache_dir" if exc.ids.get("field") == "cache_dir" else "trust_key"
+            raise ConfigError(f"user_config.{field}: {exc}", field=f"user_config.{field}") from exc
+
+    def _get_cache(self) -> ArtifactCache:
+        cache = self._cache
+        if cache is None:  # not reached: a config is applied only with its cache
+            raise ReplicaNotReady("replica has no user_config yet")
+        return cache
 
     def reconfigure(self, raw: Mapping[str, Any] | ReplicaConfig) -> bool:
         """Apply a user_config; returns False when it was not applied: equal to the current
@@ -202,6 +217,7 @@ class RankerReplica:
                     f"{new.cohort!r}",
                     field="user_config.cohort",
                 )
+            cache = self._cache_for(new)
         except ConfigError as exc:
             if old is None:
                 raise  # startup: Serve reports the deployment as failed, nothing serves yet
@@ -215,6 +231,7 @@ class RankerReplica:
         self._apply_faults(new)
         if new == old:
             return False
+        self._cache, self._cache_key = cache, self._cache_key_of(new)
         self._config = new
         self._reconciler.set_policy(BackoffPolicy.of(new.retry))
         target = new.target

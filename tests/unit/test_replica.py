@@ -331,3 +331,26 @@ def test_the_report_names_its_incarnation_and_counts_no_restarts(serving: Ranker
     assert first.incarnation is not None and first.incarnation == second.incarnation
     assert second.seq > first.seq
     assert (second.thread_restarts, second.thread_crash) == (0, None)
+
+
+@pytest.mark.parametrize("setting", ["cache_dir", "trust_key"])
+def test_a_cache_setting_the_replica_cannot_use_is_refused_with_the_config(
+    serving: RankerReplica, tmp_path: Path, setting: str
+) -> None:
+    """A mistyped cache_dir (a directory that is not a cache) or trust_key (no key there) is
+    refused when the config arrives, naming the field, not at the next load as a failure."""
+    not_a_cache = tmp_path / "home"
+    (not_a_cache / "tmp").mkdir(parents=True)
+    (not_a_cache / "tmp" / "notes.txt").write_text("keep me")
+    bad = {"cache_dir": str(not_a_cache)} if setting == "cache_dir" else {}
+    if setting == "trust_key":
+        bad["trust_key"] = str(tmp_path / "no-such-key.pem")
+    before = serving.config
+    good = config(tmp_path, target=target_of(serving))
+    assert serving.reconfigure({**good, **bad}) is False
+    assert serving.config == before
+    err = serving.report().last_error
+    assert err is not None and err.category == "config", err
+    assert err.field == f"user_config.{setting}", err
+    assert (not_a_cache / "tmp" / "notes.txt").read_text() == "keep me"
+    assert serving.rank([request()]).model.artifact_id == "ranker-v42"
