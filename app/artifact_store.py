@@ -251,26 +251,24 @@ class _GuardedStream(io.RawIOBase):
         super().close()
 
 
-def _open_local_regular(path: str, rel: str) -> int:
+def _open_local_regular(path: str, what: str) -> int:
     """A descriptor on the regular file at ``path``, never waiting: O_NONBLOCK so that a FIFO
     (no writer) or a device swapped in after the listing does not block the open; O_NOFOLLOW
     refuses a symlink; fstat on the descriptor decides, so no swap after the check counts."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ArtifactRejected("missing", f"listed file {rel!r} is missing") from None
+        raise ArtifactRejected("missing", f"{what} is missing") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise ArtifactRejected("path", f"listed file {rel!r} is a symlink") from None
-        raise ArtifactRejected(
-            "path", f"listed file {rel!r} cannot be opened: {exc.strerror}"
-        ) from None
+            raise ArtifactRejected("path", f"{what} is a symlink") from None
+        raise ArtifactRejected("path", f"{what} cannot be opened: {exc.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise ArtifactRejected(
                 "path",
-                f"listed file {rel!r} is not a regular file ({_file_kind(mode)})",
+                f"{what} is not a regular file ({_file_kind(mode)})",
             )
         # Reads of a regular file never block anyway; blocking reads are what callers expect.
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -375,7 +373,7 @@ class ArtifactSource:
         path = self._manifest_path if rel is None else self._join(rel)
         try:
             if self.is_local:
-                with os.fdopen(_open_local_regular(path, rel or MANIFEST_NAME), "rb") as fh:
+                with os.fdopen(_open_local_regular(path, self._where(rel)), "rb") as fh:
                     data = fh.read(limit + 1)
             else:
                 with self._open_remote(path) as fh:
@@ -398,7 +396,9 @@ class ArtifactSource:
         one byte past it is ever taken from the store (a ``size`` rejection then)."""
         path = self._join(rel)
         if self.is_local:
-            inner: Any = os.fdopen(_open_local_regular(path, rel), "rb", buffering=0)
+            inner: Any = os.fdopen(
+                _open_local_regular(path, f"listed file {rel!r}"), "rb", buffering=0
+            )
         else:
             try:
                 inner = self._open_remote(path)
