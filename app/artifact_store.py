@@ -71,7 +71,9 @@ def check_uri_allowed(uri: str, schemes: tuple[str, ...]) -> str:
         # fsspec chains filesystems ("simplecache::s3://...", "zip://x::file://y"): the outer
         # scheme would not be the one that reads.
         raise ArtifactRejected(
-            "path", f"chained fsspec URLs ('::') are not allowed: {shown_uri(uri)}"
+            "path",
+            f"'::' (a chained fsspec URL, or an IPv6 literal fsspec splits as one) is not "
+            f"allowed: {shown_uri(uri)}",
         )
     scheme = uri_scheme(uri)
     if scheme not in schemes:
@@ -181,6 +183,8 @@ def _translate(
                 "not followed"
             ),
         )
+    if isinstance(exc, aiohttp.InvalidURL):  # a redirect's Location included
+        return ArtifactRejected("path", clip_text(f"{what}: not a valid URL"))
     if _is_not_found(exc):
         return ArtifactRejected("missing", clip_text(f"{what} does not exist"))
     if isinstance(exc, ImportError):
@@ -291,6 +295,17 @@ def _file_kind(mode: int) -> str:
     return "not a file"
 
 
+def _check_http_url(uri: str, shown: str) -> None:
+    # Refused here, not halfway through a fetch as a ValueError of yarl's or aiohttp's.
+    try:
+        host = yarl.URL(uri).host
+    except ValueError as exc:
+        why = clip_text(redact_in(str(exc), uri), 200)
+        raise ArtifactRejected("path", f"not a valid URL ({why}): {shown}") from None
+    if not host:
+        raise ArtifactRejected("path", f"URL without a host: {shown}")
+
+
 def _read_up_to(stream: Any, limit: int) -> bytes:
     """Up to ``limit`` bytes: a streamed read may return fewer than asked before the end."""
     parts: list[bytes] = []
@@ -315,6 +330,9 @@ class ArtifactSource:
         self.fetch = fetch or FetchConfig()
         self.scheme = check_uri_allowed(manifest_uri, self.fetch.schemes)
         self.shown_uri = shown_uri(manifest_uri)
+        self.is_http = self.scheme in ("http", "https")
+        if self.is_http:
+            _check_http_url(manifest_uri, self.shown_uri)
         try:
             fs, path = fsspec.core.url_to_fs(
                 manifest_uri, **_storage_options(self.scheme, self.fetch)
@@ -338,7 +356,6 @@ class ArtifactSource:
         self._manifest_path: str = path
         self.base: str = posixpath.dirname(path)
         self.is_local = isinstance(fs, LocalFileSystem)
-        self.is_http = self.scheme in ("http", "https")
 
     def _join(self, rel: str) -> str:
         return f"{self.base}/{rel}" if self.base else rel

@@ -232,6 +232,20 @@ def test_a_chained_fsspec_url_is_refused(tmp_path: Path) -> None:
     assert info.value.category == "path"
 
 
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://127.0.0.1:99999/a/manifest.json",
+        "http://[bad/manifest.json",
+        "http:///no-host/manifest.json",
+    ],
+)
+def test_a_malformed_url_is_refused_before_a_fetch(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert info.value.category == "path" and uri in info.value.detail
+
+
 def test_the_allowlist_is_configurable(tmp_path: Path) -> None:
     from app.artifact_store import check_uri_allowed
 
