@@ -3,23 +3,195 @@
 fsspec does the transport so that ``file://``, plain paths, ``http(s)://`` and (with the
 ``s3`` extra) ``s3://`` all work the same way. This module only reads and lists; checking what
 was read is the cache's job (app/cache.py).
+
+What a failure is, whatever the store:
+
+- a URI this service does not read from: a scheme outside the allowlist
+  (``FetchConfig.schemes``), a chained fsspec URL (``a::b``), a redirect to another scheme:
+  ``ArtifactRejected("path")``. It names a location, not bytes, and another attempt reads the
+  same location: final, like any other unsafe path of an artifact;
+- a file that is not there (404, ENOENT): ``ArtifactRejected("missing")``;
+- a store that cannot be read now (connection refused, DNS, a connect or read timeout, a 5xx,
+  an fsspec driver that is not installed): ``FetchFailed`` (category ``fetch``; retried).
+
+HTTP(S) is bounded by a connect timeout and a per-read timeout, never a total: a large artifact
+streams for as long as bytes keep coming, and a stalled server fails within the read timeout.
+Every message shows URIs redacted (``app.safe_text``) and is clipped (``clip_text``), and no
+foreign exception is chained into one (their texts carry the raw URI).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import io
 import os
 import posixpath
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Final
 
+import aiohttp
 import fsspec
+import fsspec.asyn
+import yarl
+from fsspec.implementations.http import HTTPStreamFile
 from fsspec.implementations.local import LocalFileSystem
 
-from app.errors import ArtifactRejected
+from app.contracts import FetchConfig, clip_text
+from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
 from app.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from app.safe_text import redact_in, redact_uri, terminal_safe
+
+# A URI as shown in a message: redacted, and no longer than this.
+MAX_SHOWN_URI: Final = 300
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+# Anything URL-like in a foreign exception's text (a redirect target the server chose carries
+# secrets the manifest URI does not).
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+
+
+def shown_uri(uri: str) -> str:
+    return clip_text(redact_uri(uri), MAX_SHOWN_URI)
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of ``uri``, lower case; a plain path is ``file``."""
+    match = _SCHEME.match(uri)
+    return match.group(1).lower() if match else "file"
+
+
+def check_uri_allowed(uri: str, schemes: tuple[str, ...]) -> str:
+    """Return the scheme of ``uri`` if this service may read from it; else reject (``path``)."""
+    if "::" in uri:
+        # fsspec chains filesystems ("simplecache::s3://...", "zip://x::file://y"): the outer
+        # scheme would not be the one that reads.
+        raise ArtifactRejected(
+            "path",
+            f"'::' (a chained fsspec URL, or an IPv6 literal fsspec splits as one) is not "
+            f"allowed: {shown_uri(uri)}",
+        )
+    scheme = uri_scheme(uri)
+    if scheme not in schemes:
+        raise ArtifactRejected(
+            "path",
+            f"URI scheme {clip_text(scheme, 40)!r} is not allowed (allowed: {', '.join(schemes)})"
+            f": {shown_uri(uri)}",
+        )
+    return scheme
+
+
+class _RedirectRefused(Exception):
+    """Raised inside aiohttp's redirect handling; translated into a ``path`` rejection."""
+
+    def __init__(self, origin: str, target: str) -> None:
+        super().__init__("redirect refused")
+        self.origin = origin
+        self.target = target
+
+
+async def _refuse_scheme_change(
+    _session: aiohttp.ClientSession, _context: Any, params: aiohttp.TraceRequestRedirectParams
+) -> None:
+    # Called for every redirect before aiohttp follows it: https -> http would drop TLS, and
+    # aiohttp follows that; any other scheme is not a store this source was opened for.
+    location = params.response.headers.get("Location") or params.response.headers.get("URI")
+    if location is None:
+        return
+    try:
+        target = params.url.join(yarl.URL(location))
+    except ValueError:
+        return  # aiohttp refuses it itself (InvalidUrlRedirectClientError)
+    if target.scheme.lower() != params.url.scheme.lower():
+        raise _RedirectRefused(str(params.url), str(target))
+
+
+def _redirect_guard() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(_refuse_scheme_change)
+    trace.freeze()
+    return trace
+
+
+# One instance: fsspec caches filesystems by their options, so equal options share a session.
+_REDIRECT_GUARD: Final = _redirect_guard()
+
+
+def _storage_options(scheme: str, fetch: FetchConfig) -> dict[str, Any]:
+    if scheme in ("http", "https"):
+        timeout = aiohttp.ClientTimeout(
+            total=None,  # a large artifact streams for as long as bytes keep coming
+            connect=fetch.connect_timeout_s,
+            sock_connect=fetch.connect_timeout_s,
+            sock_read=fetch.read_timeout_s,
+        )
+        return {"client_kwargs": {"timeout": timeout, "trace_configs": [_REDIRECT_GUARD]}}
+    if scheme in ("s3", "s3a"):
+        # s3fs hands these to botocore's Config; its defaults are 60 s each as well.
+        return {
+            "config_kwargs": {
+                "connect_timeout": fetch.connect_timeout_s,
+                "read_timeout": fetch.read_timeout_s,
+            }
+        }
+    return {}  # gs and others: the driver's own timeouts
+
+
+def _describe(exc: BaseException, fetch: FetchConfig, *uris: str) -> str:
+    """A foreign exception as one line of a message: no secret of ``uris``, no raw URL."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"no connection within the connect timeout ({fetch.connect_timeout_s:g} s)"
+    if isinstance(exc, TimeoutError):
+        return f"no data within the read timeout ({fetch.read_timeout_s:g} s)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        # Its text ends "[Connect call failed ('127.0.0.1', 8000)]": say why instead.
+        cause = exc.os_error
+        code = cause.errno
+        why = os.strerror(code) if isinstance(code, int) and code > 0 else cause.strerror
+        return f"cannot connect to {exc.host}:{exc.port}: {why or type(cause).__name__}"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        reason = terminal_safe(clip_text(str(exc.message or ""), 100))
+        return f"HTTP {exc.status} {reason}".rstrip()
+    text = redact_in(str(exc), *uris)
+    text = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text)
+    return clip_text(f"{type(exc).__name__}: {terminal_safe(text)}", 1000)
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    if isinstance(exc, FileNotFoundError):
+        return True
+    return isinstance(exc, aiohttp.ClientResponseError) and exc.status in (404, 410)
+
+
+def _translate(
+    exc: BaseException, what: str, fetch: FetchConfig, *uris: str
+) -> RolloutSystemError | None:
+    """The typed error of a failure to read ``what`` (a phrase naming it, URIs redacted), or
+    None for an exception that is not about the store (a bug: let it propagate)."""
+    if isinstance(exc, RolloutSystemError):
+        return exc
+    if isinstance(exc, _RedirectRefused):
+        return ArtifactRejected(
+            "path",
+            clip_text(
+                f"{what}: redirect from {shown_uri(exc.origin)} to {shown_uri(exc.target)} "
+                f"changes the scheme ({uri_scheme(exc.origin)} -> {uri_scheme(exc.target)}); "
+                "not followed"
+            ),
+        )
+    if isinstance(exc, aiohttp.InvalidURL):  # a redirect's Location included
+        return ArtifactRejected("path", clip_text(f"{what}: not a valid URL"))
+    if _is_not_found(exc):
+        return ArtifactRejected("missing", clip_text(f"{what} does not exist"))
+    if isinstance(exc, ImportError):
+        return FetchFailed(clip_text(f"{what}: no driver for this store: {_describe(exc, fetch)}"))
+    if isinstance(exc, OSError | aiohttp.ClientError):  # TimeoutError and ConnectionError too
+        return FetchFailed(clip_text(f"{what}: {_describe(exc, fetch, *uris)}"))
+    return None
 
 
 @dataclass(frozen=True)
@@ -31,66 +203,233 @@ class StoredEntry:
     size: int
 
 
-class ArtifactSource:
-    """The directory an artifact's manifest lives in, on any fsspec filesystem."""
+class _GuardedStream(io.RawIOBase):
+    """A stored file as the cache reads it: every failure typed (``_translate``), and never
+    more than ``size`` bytes (+1, to tell a longer file) taken from the store."""
 
-    def __init__(self, manifest_uri: str) -> None:
-        self.manifest_uri = manifest_uri
+    def __init__(
+        self, inner: Any, what: str, size: int | None, fetch: FetchConfig, *uris: str
+    ) -> None:
+        super().__init__()
+        self._inner = inner
+        self._what = what
+        self._size = size
+        self._fetch = fetch
+        self._uris = uris
+        self._read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = len(view)
+        if self._size is not None:
+            want = min(want, self._size + 1 - self._read)
+        if want <= 0:
+            return 0
         try:
-            fs, path = fsspec.core.url_to_fs(manifest_uri)
-        except (ValueError, ImportError) as exc:
+            if hasattr(self._inner, "readinto"):
+                got = self._inner.readinto(view[:want]) or 0
+            else:
+                data = self._inner.read(want)
+                got = len(data)
+                view[:got] = data
+        except BaseException as exc:
+            typed = _translate(exc, self._what, self._fetch, *self._uris)
+            if typed is None:
+                raise
+            raise typed from None
+        self._read += got
+        if self._size is not None and self._read > self._size:
             raise ArtifactRejected(
-                "missing", f"cannot open artifact store for {manifest_uri!r}: {exc}"
-            ) from exc
+                "size", f"{self._what} is larger than the {self._size} bytes declared"
+            )
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            # Closing a failed HTTP response: nothing left to read or lose.
+            with contextlib.suppress(Exception):
+                self._inner.close()
+        super().close()
+
+
+def _open_local_regular(path: str, what: str) -> int:
+    """A descriptor on the regular file at ``path``, never waiting: O_NONBLOCK so that a FIFO
+    (no writer) or a device swapped in after the listing does not block the open; O_NOFOLLOW
+    refuses a symlink; fstat on the descriptor decides, so no swap after the check counts."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ArtifactRejected("missing", f"{what} is missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ArtifactRejected("path", f"{what} is a symlink") from None
+        raise ArtifactRejected("path", f"{what} cannot be opened: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ArtifactRejected(
+                "path",
+                f"{what} is not a regular file ({_file_kind(mode)})",
+            )
+        # Reads of a regular file never block anyway; blocking reads are what callers expect.
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def _check_http_url(uri: str, shown: str) -> None:
+    # Refused here, not halfway through a fetch as a ValueError of yarl's or aiohttp's.
+    try:
+        host = yarl.URL(uri).host
+    except ValueError as exc:
+        why = clip_text(redact_in(str(exc), uri), 200)
+        raise ArtifactRejected("path", f"not a valid URL ({why}): {shown}") from None
+    if not host:
+        raise ArtifactRejected("path", f"URL without a host: {shown}")
+
+
+def _read_up_to(stream: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes: a streamed read may return fewer than asked before the end."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = stream.read(limit - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+class ArtifactSource:
+    """The directory an artifact's manifest lives in, on any fsspec filesystem.
+
+    ``fetch`` (default: ``FetchConfig()``) says which schemes may be read and how long a
+    connect or a read may stall."""
+
+    def __init__(self, manifest_uri: str, fetch: FetchConfig | None = None) -> None:
+        self.manifest_uri = manifest_uri
+        self.fetch = fetch or FetchConfig()
+        self.scheme = check_uri_allowed(manifest_uri, self.fetch.schemes)
+        self.shown_uri = shown_uri(manifest_uri)
+        self.is_http = self.scheme in ("http", "https")
+        if self.is_http:
+            _check_http_url(manifest_uri, self.shown_uri)
+        try:
+            fs, path = fsspec.core.url_to_fs(
+                manifest_uri, **_storage_options(self.scheme, self.fetch)
+            )
+        except ImportError as exc:  # fsspec: "Install s3fs to access S3"
+            raise FetchFailed(
+                clip_text(
+                    f"cannot open the store of {self.shown_uri}: {_describe(exc, self.fetch)}"
+                ),
+                uri=self.shown_uri,
+            ) from None
+        except ValueError as exc:
+            raise ArtifactRejected(
+                "path",
+                clip_text(
+                    f"cannot open the store of {self.shown_uri}: "
+                    f"{_describe(exc, self.fetch, manifest_uri)}"
+                ),
+            ) from None
         self.fs: Any = fs
         self._manifest_path: str = path
         self.base: str = posixpath.dirname(path)
         self.is_local = isinstance(fs, LocalFileSystem)
-        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        self.is_http = bool({"http", "https"} & set(protocols))
 
     def _join(self, rel: str) -> str:
         return f"{self.base}/{rel}" if self.base else rel
 
+    def _where(self, rel: str | None) -> str:
+        if rel is None:
+            return f"manifest {self.shown_uri}"
+        return f"{rel!r} next to {self.shown_uri}"
+
+    def _fail(self, exc: BaseException, rel: str | None) -> RolloutSystemError | None:
+        typed = _translate(
+            exc, self._where(rel), self.fetch, self.manifest_uri, self._join(rel or "")
+        )
+        if isinstance(typed, FetchFailed):
+            typed.ids["uri"] = self.shown_uri
+        return typed
+
+    def _open_remote(self, path: str) -> Any:
+        if self.is_http:
+            # One streaming GET: no range requests a server may not support, and no HEAD
+            # first (fsspec's info() turns every failure of it, a refused connection or a 503
+            # included, into FileNotFoundError).
+            session = fsspec.asyn.sync(self.fs.loop, self.fs.set_session)
+            return HTTPStreamFile(
+                self.fs, path, session=session, loop=self.fs.loop, **self.fs.kwargs
+            )
+        return self.fs.open(path, "rb")
+
     def read_small(self, rel: str | None, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
-        """Read a small file (manifest, signature); None if it does not exist."""
+        """Read a small file (manifest, signature); None if a signature does not exist. A
+        missing manifest is a ``missing`` rejection."""
         path = self._manifest_path if rel is None else self._join(rel)
         try:
-            with self.fs.open(path, "rb") as fh:
-                data = fh.read(limit + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ArtifactRejected("missing", f"cannot read {path}: {exc}") from exc
+            if self.is_local:
+                with os.fdopen(_open_local_regular(path, self._where(rel)), "rb") as fh:
+                    data = fh.read(limit + 1)
+            else:
+                with self._open_remote(path) as fh:
+                    data = _read_up_to(fh, limit + 1)
+        except BaseException as exc:
+            typed = self._fail(exc, rel)
+            if typed is None:
+                raise
+            if typed.category == "missing":
+                if rel is not None:
+                    return None
+                raise ArtifactRejected("missing", f"no manifest at {self.shown_uri}") from None
+            raise typed from None
         if len(data) > limit:
-            raise ArtifactRejected("limits", f"{path} is larger than {limit} bytes")
+            raise ArtifactRejected("limits", f"{self._where(rel)} is larger than {limit} bytes")
         return data
 
-    def open(self, rel: str) -> BinaryIO:
+    def open(self, rel: str, size: int | None = None) -> BinaryIO:
+        """A listed file, read as a stream. ``size``: the manifest's size for it; no more than
+        one byte past it is ever taken from the store (a ``size`` rejection then)."""
         path = self._join(rel)
         if self.is_local:
-            # O_NOFOLLOW: a listed file swapped for a symlink after listing is refused too.
+            inner: Any = os.fdopen(
+                _open_local_regular(path, f"listed file {rel!r}"), "rb", buffering=0
+            )
+        else:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except FileNotFoundError as exc:
-                raise ArtifactRejected("missing", f"listed file {rel!r} is missing") from exc
-            except OSError as exc:
-                raise ArtifactRejected(
-                    "path", f"listed file {rel!r} cannot be opened: {exc}"
-                ) from exc
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise ArtifactRejected("path", f"listed file {rel!r} is not a regular file")
-            return os.fdopen(fd, "rb", buffering=0)
-        try:
-            if self.is_http:
-                # block_size=0 streams: one GET, no range requests a server may not support.
-                return self.fs.open(path, "rb", block_size=0)
-            return self.fs.open(path, "rb")
-        except FileNotFoundError as exc:
-            raise ArtifactRejected("missing", f"listed file {rel!r} is missing") from exc
-        except OSError as exc:
-            raise ArtifactRejected("missing", f"cannot read listed file {rel!r}: {exc}") from exc
+                inner = self._open_remote(path)
+            except BaseException as exc:
+                typed = self._fail(exc, rel)
+                if typed is None:
+                    raise
+                if typed.category == "missing":
+                    raise ArtifactRejected("missing", f"listed file {rel!r} is missing") from None
+                raise typed from None
+        # Unbuffered, as the cache reads it (readinto of its own buffers): a buffer here would
+        # read ahead of what the caller asked.
+        stream = _GuardedStream(inner, self._where(rel), size, self.fetch, self.manifest_uri, path)
+        return stream  # type: ignore[return-value]
 
     def list_entries(self) -> list[StoredEntry] | None:
         """Everything stored next to the manifest, or None where the store cannot list
@@ -99,7 +438,13 @@ class ArtifactSource:
             return list(self._walk_local(self.base, ""))
         if self.is_http:
             return None
-        found = self.fs.find(self.base, detail=True, withdirs=False)
+        try:
+            found = self.fs.find(self.base, detail=True, withdirs=False)
+        except BaseException as exc:
+            typed = self._fail(exc, None)
+            if typed is None:
+                raise
+            raise typed from None
         entries = []
         for full, info in found.items():
             rel = posixpath.relpath(full, self.base)
@@ -125,16 +470,17 @@ class ArtifactSource:
                     yield StoredEntry(rel, "other", 0)
 
 
-def read_manifest_bytes(manifest_uri: str) -> bytes:
-    data = ArtifactSource(manifest_uri).read_small(None)
-    if data is None:
-        raise ArtifactRejected("missing", f"no manifest at {manifest_uri}")
+def read_manifest_bytes(manifest_uri: str, fetch: FetchConfig | None = None) -> bytes:
+    data = ArtifactSource(manifest_uri, fetch).read_small(None)
+    assert data is not None  # read_small(None) rejects a missing manifest
     return data
 
 
-def fetch_manifest(manifest_uri: str, expected_sha256: str) -> Manifest:
+def fetch_manifest(
+    manifest_uri: str, expected_sha256: str, fetch: FetchConfig | None = None
+) -> Manifest:
     """Read the manifest at ``manifest_uri`` and check it against the pinned digest."""
-    return parse_manifest(read_manifest_bytes(manifest_uri), expected_sha256)
+    return parse_manifest(read_manifest_bytes(manifest_uri, fetch), expected_sha256)
 
 
 def manifest_uri_for(directory: os.PathLike[str] | str) -> str:

@@ -218,13 +218,37 @@ class MemoryConfig(Contract):
     margin_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
 
 
+# A URI scheme as RFC 3986 spells it, lower case (fsspec protocol names).
+UriScheme = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9+.-]{0,31}$")]
+DEFAULT_URI_SCHEMES: Final = ("file", "http", "https", "s3", "gs")
+
+
+class FetchConfig(Contract):
+    """How artifact stores are read (app.artifact_store).
+
+    ``schemes``: the URI schemes a ``manifest_uri`` may use (a plain path counts as ``file``);
+    any other is refused before anything is opened, and a redirect may not change the scheme.
+    The timeouts bound a stall, not a download: connecting, and each wait for more bytes. A
+    large artifact streams for as long as bytes keep coming."""
+
+    schemes: Annotated[tuple[UriScheme, ...], Field(min_length=1, max_length=32)] = (
+        DEFAULT_URI_SCHEMES
+    )
+    connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+
+
 class LoadingConfig(Contract):
-    """How a background load shares the host with the requests being served."""
+    """How a replica loads its targets, and how a background load shares the host with the
+    requests being served."""
 
     # The CPU share of one core each loading thread may take (app.load_pacing): hashing and
     # dry-run forwards run in bursts of a few ms with pauses between them. 1 = unpaced. The
     # startup load is never paced: the replica serves nothing until it is done.
     cpu_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+    # The model this deployment serves: a manifest naming another model is refused.
+    model: Name = "ranker"
+    fetch: FetchConfig = FetchConfig()
 
 
 class RetryConfig(Contract):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import posixpath
 import unicodedata
 from typing import Any, Final
@@ -22,6 +23,8 @@ SIGNATURE_NAME: Final = "manifest.json.sig"
 # Written by the verified cache next to the files; no artifact may ship a file of that name.
 COMPLETE_MARKER_NAME: Final = ".complete.json"
 RESERVED_NAMES: Final = frozenset({MANIFEST_NAME, SIGNATURE_NAME, COMPLETE_MARKER_NAME})
+# A file path's limit in bytes of UTF-8, as filesystems count it (NAME_MAX), not characters.
+MAX_PATH_BYTES: Final = 255
 MANIFEST_SCHEMA_VERSION: Final = 1
 # A manifest is a small JSON document; anything bigger is not one.
 MAX_MANIFEST_BYTES: Final = 1 << 20
@@ -37,12 +40,27 @@ def is_sha256_hex(value: str) -> bool:
     return len(value) == 64 and all(c in _HEX for c in value)
 
 
-class FileEntry(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+# Strict: no lax coercion ("12", 12.0 or true for a size); a manifest says exactly what it means.
+_MANIFEST_MODEL = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    path: str = Field(min_length=1, max_length=255)
+
+class FileEntry(BaseModel):
+    model_config = _MANIFEST_MODEL
+
+    path: str = Field(min_length=1)
     sha256: str
     bytes: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _fits_in_bytes(cls, value: str) -> str:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ValueError("is not valid Unicode (a lone surrogate)") from None
+        if size > MAX_PATH_BYTES:
+            raise ValueError(f"is {size} bytes in UTF-8, at most {MAX_PATH_BYTES} bytes allowed")
+        return value
 
     @field_validator("sha256")
     @classmethod
@@ -55,7 +73,7 @@ class FileEntry(BaseModel):
 class Architecture(BaseModel):
     """Names an architecture the *service* knows how to build; params are its hyper-parameters."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MANIFEST_MODEL
 
     name: str
     version: int = Field(ge=1)
@@ -67,7 +85,7 @@ class Manifest(BaseModel):
     an unknown value is a compatibility rejection (category ``runtime``/``schema``) decided by
     the loader, not a parse error."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _MANIFEST_MODEL
 
     schema_version: int = MANIFEST_SCHEMA_VERSION
     model: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -94,10 +112,25 @@ class Manifest(BaseModel):
         return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
 
 
+# Characters no file path may hold: C0/C1 controls and DEL (Cc), bidi controls, zero-width
+# and other invisible format characters (Cf: they make two names look alike or reorder what a
+# reviewer reads), line and paragraph separators, and lone surrogates (not text).
+_REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+_RESERVED_KEYS: Final = frozenset(
+    unicodedata.normalize("NFC", n).casefold() for n in RESERVED_NAMES
+)
+
+
 def check_relative_path(path: str) -> str:
     """Return the path if it is a safe, normalised, relative POSIX path; else reject (``path``)."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ArtifactRejected("path", f"control character in file path {path!r}")
+    for char in path:
+        if unicodedata.category(char) in _REFUSED_CATEGORIES:
+            name = unicodedata.name(char, "control character")
+            raise ArtifactRejected(
+                "path",
+                f"file path {path!r} holds U+{ord(char):04X} ({name}): control, "
+                "bidi and invisible characters are not allowed",
+            )
     if "\\" in path:
         raise ArtifactRejected("path", f"backslash in file path {path!r}")
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
@@ -107,7 +140,9 @@ def check_relative_path(path: str) -> str:
         raise ArtifactRejected("path", f"file path {path!r} is not normalised (empty, '.' or '..')")
     if posixpath.normpath(path) != path:
         raise ArtifactRejected("path", f"file path {path!r} is not normalised")
-    if path in RESERVED_NAMES:
+    # Compared as a case-insensitive or normalising filesystem would: "MANIFEST.JSON" is the
+    # manifest there.
+    if _path_key(path) in _RESERVED_KEYS:
         raise ArtifactRejected("path", f"file path {path!r} is reserved")
     return path
 
@@ -137,6 +172,55 @@ def check_file_paths(manifest: Manifest) -> None:
                 raise ArtifactRejected("path", f"file path {seen[key]!r} nests under a file")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers keep the last of two equal keys (json, pydantic) or the first (others): a reviewer
+    # and the service could read two different manifests from the same bytes.
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKey(f"duplicate key {key!r}")
+        found[key] = value
+    return found
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as inf
+        raise ValueError(f"{text} is out of range for a number")
+    return value
+
+
+def _load_json(data: bytes) -> Any:
+    """The manifest's JSON document: UTF-8, no duplicate keys, no NaN/Infinity."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ArtifactRejected(
+            "schema", f"not a valid manifest: not UTF-8 (byte {exc.start})"
+        ) from None
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_refuse_duplicates,
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+        )
+    except _DuplicateKey as exc:
+        raise ArtifactRejected("schema", f"not a valid manifest: {exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise ArtifactRejected("schema", f"not a valid manifest: invalid JSON: {exc}") from None
+    except RecursionError:
+        raise ArtifactRejected("schema", "not a valid manifest: JSON nested too deeply") from None
+
+
 def parse_manifest(data: bytes, expected_sha256: str | None = None) -> Manifest:
     """Check the pinned digest, then parse and check the manifest's own rules.
 
@@ -154,8 +238,9 @@ def parse_manifest(data: bytes, expected_sha256: str | None = None) -> Manifest:
         raise ArtifactRejected(
             "limits", f"manifest is {len(data)} bytes (max {MAX_MANIFEST_BYTES})"
         )
+    document = _load_json(data)
     try:
-        manifest = Manifest.model_validate_json(data)
+        manifest = Manifest.model_validate(document)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"

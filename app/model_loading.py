@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from app.artifact_store import check_uri_allowed
 from app.cache import ArtifactCache, Lease
-from app.contracts import LoadTimings, Target
+from app.contracts import LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
 from app.features import FEATURE_SCHEMA
 from app.generations import Generation, GenerationHolder
@@ -51,9 +52,11 @@ class ModelLoader:
     """The reconciler's load/install/discard/retire steps (``app.reconciler.TargetLoader``)
     for real artifacts, installing into the replica's generation holder.
 
-    ``cache``, ``budget`` and ``cpu_share`` are asked at each load, so a load uses the config
-    in effect when it starts. The holder's cleanup must call ``clean_up``: a generation keeps
-    its cache lease (its bytes stay in the cache) until it is cleaned up."""
+    ``cache``, ``budget``, ``cpu_share`` and ``loading`` are asked at each load, so a load uses
+    the config in effect when it starts. ``loading`` says which model this deployment serves (a
+    manifest naming another is refused) and which URI schemes a target may use. The holder's
+    cleanup must call ``clean_up``: a generation keeps its cache lease (its bytes stay in the
+    cache) until it is cleaned up."""
 
     def __init__(
         self,
@@ -64,8 +67,10 @@ class ModelLoader:
         device: torch.device,
         on_installed: Callable[[Candidate], None],
         cpu_share: Callable[[], float | None] = lambda: None,
+        loading: Callable[[], LoadingConfig] = LoadingConfig,
     ) -> None:
         self._on_installed = on_installed
+        self._loading = loading
         self._cpu_share = cpu_share  # None: an unpaced load
         self._cache = cache
         self._holder = holder
@@ -81,6 +86,14 @@ class ModelLoader:
                 f"{FEATURE_SCHEMA!r}",
                 artifact_id=target.artifact_id,
             )
+        loading = self._loading()
+        # Before anything is opened: a scheme this deployment does not read from is a refusal
+        # of the target, whatever the cache's own defaults allow.
+        try:
+            check_uri_allowed(target.manifest_uri, loading.fetch.schemes)
+        except ArtifactRejected as exc:
+            exc.artifact_id = target.artifact_id
+            raise
         cache = self._cache()
         share = self._cpu_share()
         pacer = LoadPacer(share) if share is not None else None  # a share of 1 never pauses
@@ -94,6 +107,13 @@ class ModelLoader:
                     "manifest_digest",
                     f"manifest names artifact {artifact.manifest.artifact_id!r}, the target "
                     f"says {target.artifact_id!r}",
+                    artifact_id=target.artifact_id,
+                )
+            if artifact.manifest.model != loading.model:
+                raise ArtifactRejected(
+                    "schema",
+                    f"manifest is for model {artifact.manifest.model!r}; this deployment serves "
+                    f"{loading.model!r} (loading.model)",
                     artifact_id=target.artifact_id,
                 )
             if artifact.manifest.feature_schema != target.feature_schema:

@@ -1,0 +1,411 @@
+"""Reading artifact stores (app.artifact_store) through real servers and real files.
+
+What each failure is: a store out of reach (connection refused, DNS, a stall, a 5xx, a missing
+fsspec driver) is ``FetchFailed`` (category ``fetch``, retried); a URI this service does not
+read from (a scheme outside the allowlist, a redirect to another scheme) is a ``path``
+rejection; a file that is not there is ``missing``. No message shows a URI's credentials, and a
+FIFO or device swapped in for a listed file is refused instead of blocking the loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.artifact_store import ArtifactSource
+from app.cache import ArtifactCache
+from app.contracts import FetchConfig
+from app.errors import ArtifactRejected, FetchFailed
+from app.manifest import MANIFEST_NAME
+from rollout.local_cluster import free_port
+from tests.file_artifacts import HeldFileServer, make_file_artifact
+
+PASSWORD = "hunter2-pass"
+SIGNATURE = "f00dfacecafe5ec2e7"
+
+
+def secret_uri(base: str) -> str:
+    """``base`` (``http://host:port/path``) with a password and a presigned signature."""
+    scheme, rest = base.split("://", 1)
+    return f"{scheme}://reader:{PASSWORD}@{rest}?X-Amz-Expires=60&X-Amz-Signature={SIGNATURE}"
+
+
+def assert_no_secret(exc: BaseException) -> None:
+    shown = f"{exc} {exc.args} {getattr(exc, 'ids', {})}"
+    assert PASSWORD not in shown and SIGNATURE not in shown, shown
+
+
+@contextmanager
+def serving(handler: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """An HTTP server on a free loopback port whose every GET and HEAD is ``handler``; yields
+    its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            handler(self)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def answer(status: int, headers: dict[str, str] | None = None, body: bytes = b"") -> Any:
+    def handle(request: BaseHTTPRequestHandler) -> None:
+        request.send_response(status)
+        for name, value in (headers or {}).items():
+            request.send_header(name, value)
+        request.send_header("Content-Length", str(len(body)))
+        request.end_headers()
+        if request.command == "GET":
+            request.wfile.write(body)
+
+    return handle
+
+
+@contextmanager
+def silent_listener() -> Iterator[str]:
+    """Accepts TCP connections and never answers (a hung store); yields its base URL."""
+    release = threading.Event()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        accepted: list[socket.socket] = []
+
+        def accept() -> None:
+            while not release.is_set():
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    return
+                accepted.append(conn)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            release.set()
+            for conn in accepted:
+                conn.close()
+
+
+FAST = FetchConfig(connect_timeout_s=2.0, read_timeout_s=0.5)
+
+
+# --------------------------------------------------------------------------- transport failures
+
+
+def test_a_store_that_is_not_listening_is_a_fetch_failure_not_a_rejection(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{free_port()}/ranker-v42/manifest.json"
+    with pytest.raises(FetchFailed) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert info.value.category == "fetch"
+    assert "127.0.0.1" in str(info.value) and "refused" in str(info.value).lower()
+
+
+def test_a_name_that_does_not_resolve_is_a_fetch_failure(tmp_path: Path) -> None:
+    uri = "http://artifacts.nonexistent.invalid/ranker-v42/manifest.json"
+    with pytest.raises(FetchFailed) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert "artifacts.nonexistent.invalid" in str(info.value)
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+def test_a_server_error_is_a_fetch_failure_naming_the_status(tmp_path: Path, status: int) -> None:
+    with serving(answer(status, body=b"try later")) as base, pytest.raises(FetchFailed) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(f"{base}/a/manifest.json", "ab" * 32)
+    assert f"HTTP {status}" in str(info.value)
+
+
+def test_a_manifest_that_is_not_there_is_still_missing(tmp_path: Path) -> None:
+    with serving(answer(404)) as base, pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(f"{base}/a/manifest.json", "ab" * 32)
+    assert info.value.category == "missing"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed")
+def test_a_missing_fsspec_driver_is_a_fetch_failure_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(FetchFailed) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified("s3://bucket/a/manifest.json", "ab" * 32)
+    assert "s3fs" in str(info.value)
+
+
+# --------------------------------------------------------------------------- stalls and timeouts
+
+
+def test_a_server_that_stalls_midway_fails_with_fetch_within_the_read_timeout(
+    tmp_path: Path,
+) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": os.urandom(64 * 1024)})
+    server = HeldFileServer(tmp_path, held="weights.bin", held_after=4096)
+    with server.running():
+        source = ArtifactSource(server.uri(f"{artifact.out_dir.name}/{MANIFEST_NAME}"), fetch=FAST)
+        got = bytearray()
+        with pytest.raises(FetchFailed) as info, source.open("weights.bin") as stream:
+            while chunk := stream.read(1 << 20):
+                got += chunk
+        assert server.holding.is_set()
+    assert got == (artifact.out_dir / "weights.bin").read_bytes()[: len(got)]
+    assert "read timeout" in str(info.value) and "0.5" in str(info.value)
+
+
+def test_a_server_that_never_answers_fails_with_fetch(tmp_path: Path) -> None:
+    with silent_listener() as base:
+        source = ArtifactSource(f"{base}/a/{MANIFEST_NAME}", fetch=FAST)
+        with pytest.raises(FetchFailed) as info:
+            source.read_small(None)
+    assert "timeout" in str(info.value)
+
+
+def test_a_download_longer_than_the_read_timeout_completes_while_bytes_keep_coming(
+    tmp_path: Path,
+) -> None:
+    # The old client bounded the whole body (300 s): a large artifact never loaded. Here the
+    # download takes several read timeouts, and each wait for bytes is short.
+    pieces = [bytes([i]) * 1024 for i in range(8)]
+    gap = threading.Event()
+
+    def trickle(request: BaseHTTPRequestHandler) -> None:
+        request.send_response(200)
+        request.send_header("Content-Length", str(sum(map(len, pieces))))
+        request.end_headers()
+        for piece in pieces:
+            request.wfile.write(piece)
+            request.wfile.flush()
+            gap.wait(0.2)  # never set: a pause shorter than the read timeout
+
+    with serving(trickle) as base:
+        source = ArtifactSource(f"{base}/a/{MANIFEST_NAME}", fetch=FAST)
+        with source.open("weights.bin") as stream:
+            got = stream.read()
+    assert got == b"".join(pieces)
+
+
+# --------------------------------------------------------------------------- schemes and redirects
+
+
+@pytest.mark.parametrize(
+    ("uri", "scheme"),
+    [
+        ("ftp://store.example/a/manifest.json", "ftp"),
+        ("memory://a/manifest.json", "memory"),
+        ("data:application/json;base64,e30=", "data"),
+        ("FTP://store.example/a/manifest.json", "ftp"),
+        ("sftp://reader:pw@host/a/manifest.json", "sftp"),
+    ],
+)
+def test_a_scheme_outside_the_allowlist_is_refused_naming_it(
+    tmp_path: Path, uri: str, scheme: str
+) -> None:
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert info.value.category == "path"
+    assert f"scheme {scheme!r}" in info.value.detail and "allowed: file, http" in info.value.detail
+
+
+def test_a_chained_fsspec_url_is_refused(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"w.bin": b"x"})
+    uri = f"simplecache::{artifact.manifest_uri}"
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, artifact.manifest_sha256)
+    assert info.value.category == "path"
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://127.0.0.1:99999/a/manifest.json",
+        "http://[bad/manifest.json",
+        "http:///no-host/manifest.json",
+    ],
+)
+def test_a_malformed_url_is_refused_before_a_fetch(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert info.value.category == "path" and uri in info.value.detail
+
+
+def test_the_allowlist_is_configurable(tmp_path: Path) -> None:
+    from app.artifact_store import check_uri_allowed
+
+    artifact = make_file_artifact(tmp_path, {"w.bin": b"x"})
+    assert check_uri_allowed(artifact.manifest_uri, ("file",)) == "file"
+    assert check_uri_allowed(str(artifact.out_dir / MANIFEST_NAME), ("file",)) == "file"
+    with pytest.raises(ArtifactRejected, match=r"scheme 'file' is not allowed \(allowed: https\)"):
+        ArtifactSource(artifact.manifest_uri, fetch=FetchConfig(schemes=("https",)))
+
+
+@pytest.mark.parametrize(
+    "target", ["https://127.0.0.1:{port}/a/manifest.json", "file:///etc/passwd"]
+)
+def test_a_redirect_to_another_scheme_is_refused(tmp_path: Path, target: str) -> None:
+    location = target.format(port=free_port())
+    cache = ArtifactCache(tmp_path / "cache")
+    with (
+        serving(answer(302, {"Location": location})) as base,
+        pytest.raises(ArtifactRejected) as info,
+    ):
+        cache.fetch_verified(f"{base}/a/manifest.json", "ab" * 32)
+    assert info.value.category == "path"
+    assert "redirect" in info.value.detail and location.split(":")[0] in info.value.detail
+
+
+def test_a_redirect_within_the_scheme_to_another_host_port_is_followed(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"w.bin": b"payload"})
+    store = HeldFileServer(tmp_path)
+    with store.running():
+        moved = answer(302, {"Location": store.uri(f"{artifact.out_dir.name}/{MANIFEST_NAME}")})
+        with serving(moved) as base:
+            source = ArtifactSource(f"{base}/{artifact.out_dir.name}/{MANIFEST_NAME}")
+            assert source.read_small(None) == (artifact.out_dir / MANIFEST_NAME).read_bytes()
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+def test_credentials_in_the_uri_never_reach_a_fetch_failure(tmp_path: Path) -> None:
+    uri = secret_uri(f"http://127.0.0.1:{free_port()}/a/manifest.json")
+    with pytest.raises(FetchFailed) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(uri, "ab" * 32)
+    assert_no_secret(info.value)
+    assert "reader:***@127.0.0.1" in str(info.value)
+
+
+@pytest.mark.parametrize("status", [404, 503])
+def test_credentials_never_reach_an_http_status_failure(tmp_path: Path, status: int) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    with serving(answer(status)) as base, pytest.raises((FetchFailed, ArtifactRejected)) as info:
+        cache.fetch_verified(secret_uri(f"{base}/a/manifest.json"), "ab" * 32)
+    assert_no_secret(info.value)
+
+
+def test_credentials_never_reach_a_refused_redirect_or_scheme(tmp_path: Path) -> None:
+    location = secret_uri("https://elsewhere.example/a/manifest.json")
+    cache = ArtifactCache(tmp_path / "cache")
+    with (
+        serving(answer(302, {"Location": location})) as base,
+        pytest.raises(ArtifactRejected) as info,
+    ):
+        cache.fetch_verified(secret_uri(f"{base}/a/manifest.json"), "ab" * 32)
+    assert_no_secret(info.value)
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(
+            secret_uri("ftp://store.example/a/manifest.json"), "ab" * 32
+        )
+    assert_no_secret(info.value)
+
+
+def test_a_huge_uri_makes_a_bounded_error(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{free_port()}/{'a' * (5 << 20)}/manifest.json"
+    with pytest.raises(FetchFailed) as info:
+        ArtifactSource(uri).read_small(None)
+    assert len(str(info.value)) <= 4000
+
+
+# --------------------------------------------------------------------------- local files
+
+
+def fifo_in_place_of(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def in_thread(work: Callable[[], Any]) -> tuple[bool, BaseException | None]:
+    """Run ``work`` on a daemon thread: (finished, what it raised). A thread that blocks
+    forever (an open of a FIFO without a writer) must not hang the test run."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive(), (raised[0] if raised else None)
+
+
+def unblock(fifo: Path) -> None:
+    """Give a reader blocked on ``fifo`` a writer, so its thread ends."""
+    with contextlib.suppress(OSError):  # ENXIO: nobody was blocked
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_fifo_swapped_in_for_a_listed_file_is_refused_not_waited_on(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": b"w" * 100})
+    source = ArtifactSource(artifact.manifest_uri)
+    fifo = artifact.out_dir / "weights.bin"
+    fifo_in_place_of(fifo)  # after the listing the cache checked, before the open
+    try:
+        finished, raised = in_thread(lambda: source.open("weights.bin"))
+    finally:
+        unblock(fifo)
+    assert finished, "opening a FIFO blocked the loader"
+    assert isinstance(raised, ArtifactRejected) and raised.category == "path"
+    assert "not a regular file" in raised.detail
+
+
+def test_a_fifo_in_place_of_the_manifest_is_refused_not_waited_on(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": b"w"})
+    fifo = artifact.out_dir / MANIFEST_NAME
+    fifo_in_place_of(fifo)
+    try:
+        finished, raised = in_thread(lambda: ArtifactSource(artifact.manifest_uri).read_small(None))
+    finally:
+        unblock(fifo)
+    assert finished, "reading a FIFO manifest blocked"
+    assert isinstance(raised, ArtifactRejected) and raised.category == "path"
+
+
+def test_a_symlink_swapped_in_for_a_listed_file_is_refused(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": b"w"})
+    link = artifact.out_dir / "weights.bin"
+    link.unlink()
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactSource(artifact.manifest_uri).open("weights.bin")
+    assert info.value.category == "path" and "symlink" in info.value.detail
+
+
+def test_reads_are_bounded_by_the_declared_size(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": b"w" * 100})
+    (artifact.out_dir / "weights.bin").write_bytes(b"w" * 10_000)  # grew after the listing
+    with ArtifactSource(artifact.manifest_uri).open("weights.bin", size=100) as stream:
+        assert len(stream.read(60)) == 60
+        with pytest.raises(ArtifactRejected) as info:
+            stream.read(1 << 20)
+    assert info.value.category == "size" and "100 bytes" in info.value.detail
+
+
+def test_a_file_of_the_declared_size_reads_whole(tmp_path: Path) -> None:
+    data = os.urandom(3000)
+    artifact = make_file_artifact(tmp_path, {"weights.bin": data})
+    with ArtifactSource(artifact.manifest_uri).open("weights.bin", size=len(data)) as stream:
+        got = bytearray()
+        buf = bytearray(1024)
+        while n := stream.readinto(buf):
+            got += buf[:n]
+    assert got == data
