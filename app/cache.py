@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Final, Literal
 
 from app.artifact_store import ArtifactSource
+from app.contracts import FetchConfig
 from app.errors import ArtifactRejected, ConfigError
 from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import (
@@ -388,12 +389,14 @@ class ArtifactCache:
         byte_budget: int | None = None,
         limits: CacheLimits | None = None,
         trust_key: Path | str | None = None,
+        fetch: FetchConfig | None = None,
     ) -> None:
         """Open (or create) the cache at ``root``. ConfigError (field ``cache_dir``) for a
         directory that is not a cache: see ``claim_cache_root``; nothing in it is touched."""
         self.root = Path(root)
         self.byte_budget = byte_budget
         self.limits = limits or CacheLimits()
+        self.fetch = fetch or FetchConfig()  # schemes and timeouts of the stores read from
         self._trust_key = load_public_key(Path(trust_key)) if trust_key else None
         claim_cache_root(self.root)
         self.artifacts_dir = self.root / "artifacts"
@@ -600,7 +603,9 @@ class ArtifactCache:
             )
         if manifest_uri is None:
             raise stored_failure
-        current = ArtifactSource(manifest_uri).read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
+        current = ArtifactSource(manifest_uri, self.fetch).read_small(
+            SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES
+        )
         if current is None or current == stored_signature:
             raise stored_failure
         try:
@@ -675,7 +680,7 @@ class ArtifactCache:
         self, manifest_uri: str, digest: str, pacer: LoadPacer | None = None
     ) -> VerifiedArtifact:
         started = time.monotonic()
-        source = ArtifactSource(manifest_uri)
+        source = ArtifactSource(manifest_uri, self.fetch)
         manifest_bytes = source.read_small(None)
         if manifest_bytes is None:
             raise ArtifactRejected("missing", f"no manifest at {redact_uri(manifest_uri)}")
@@ -778,7 +783,10 @@ class ArtifactCache:
         pending: Future[None] | None = None
         out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            with source.open(item.path) as src, ThreadPoolExecutor(max_workers=1) as writer:
+            with (
+                source.open(item.path, size=item.bytes) as src,
+                ThreadPoolExecutor(max_workers=1) as writer,
+            ):
                 index = 0
                 while True:
                     buf = buffers[index % 2]

@@ -50,6 +50,7 @@ from app.contracts import (
     MAX_REPORTED_REVISIONS,
     Capacity,
     ErrorInfo,
+    FetchConfig,
     InstanceReport,
     LoadTimings,
     MemoryFigures,
@@ -127,7 +128,7 @@ class RankerReplica:
         self._device = device or default_device()
         self._config: ReplicaConfig | None = None
         self._cache: ArtifactCache | None = None
-        self._cache_key: tuple[str, int | None, str | None] | None = None
+        self._cache_key: tuple[str, int | None, str | None, FetchConfig] | None = None
         # The holder's cleanup is the loader's, which knows each generation's cache lease.
         self._holder = GenerationHolder(
             cleanup=lambda generation: self._loader.clean_up(generation)
@@ -139,6 +140,7 @@ class RankerReplica:
             device=self._device,
             on_installed=self._installed,
             cpu_share=lambda: self.config.loading.cpu_share if self._background else None,
+            loading=lambda: self.config.loading,
         )
         self._reconciler: Reconciler[Candidate] = Reconciler(
             self._loader,
@@ -177,8 +179,8 @@ class RankerReplica:
         return self._config is not None
 
     @staticmethod
-    def _cache_key_of(cfg: ReplicaConfig) -> tuple[str, int | None, str | None]:
-        return (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key)
+    def _cache_key_of(cfg: ReplicaConfig) -> tuple[str, int | None, str | None, FetchConfig]:
+        return (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key, cfg.loading.fetch)
 
     def _cache_for(self, cfg: ReplicaConfig) -> ArtifactCache:
         """The cache ``cfg`` names, opened now so that a directory that is not a cache or a
@@ -188,7 +190,10 @@ class RankerReplica:
             return self._cache
         try:
             return ArtifactCache(
-                Path(cfg.cache_dir), byte_budget=cfg.cache_byte_budget, trust_key=cfg.trust_key
+                Path(cfg.cache_dir),
+                byte_budget=cfg.cache_byte_budget,
+                trust_key=cfg.trust_key,
+                fetch=cfg.loading.fetch,
             )
         except ConfigError as exc:
             # The cache names its directory's errors; the only other one is the key's.

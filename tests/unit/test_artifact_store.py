@@ -409,3 +409,14 @@ def test_a_file_of_the_declared_size_reads_whole(tmp_path: Path) -> None:
         while n := stream.readinto(buf):
             got += buf[:n]
     assert got == data
+
+
+def test_a_stalled_store_fails_the_cache_fetch_within_the_read_timeout(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": os.urandom(64 * 1024)})
+    server = HeldFileServer(tmp_path, held="weights.bin", held_after=4096)
+    with server.running():
+        cache = ArtifactCache(tmp_path / "cache", fetch=FetchConfig(read_timeout_s=0.5))
+        with pytest.raises(FetchFailed, match="read timeout"):
+            cache.fetch_verified(
+                server.uri(f"{artifact.out_dir.name}/manifest.json"), artifact.manifest_sha256
+            )

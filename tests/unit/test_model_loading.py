@@ -94,3 +94,19 @@ def test_a_target_outside_the_configured_schemes_is_refused_before_anything_is_r
     assert not (tmp_path / "cache" / "artifacts").exists() or not any(
         (tmp_path / "cache" / "artifacts").iterdir()
     )
+
+
+def test_the_replica_serves_the_model_its_loading_config_names(tmp_path: Path) -> None:
+    packed = pack_for_model(tmp_path, "fraud-scorer")
+    replica = RankerReplica("r", loader_nice=0)
+    try:
+        assert replica.reconfigure(
+            {
+                "cohort": "canary",
+                "cache_dir": str(tmp_path / "cache"),
+                "loading": {"model": "fraud-scorer"},
+                "target": packed.target(1).model_dump(mode="json"),
+            }
+        )
+    finally:
+        replica.close()
