@@ -133,12 +133,17 @@ def verify(
     load: bool,
     memory_budget: int | None,
 ) -> None:
-    """Fetch MANIFEST_URI into the verified cache and check every file (and the model)."""
+    """Fetch MANIFEST_URI into the verified cache and check every file and that this service
+    can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
     from app.cache import ArtifactCache
+    from app.loader import check_compatibility
 
     started = time.monotonic()
     cache = ArtifactCache(cache_dir, trust_key=trust_key)
     artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
+    # What the manifest says decides whether the service could ever serve it: no weights
+    # need loading to refuse an unknown runtime, schema, precision or architecture.
+    check_compatibility(artifact.manifest)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),

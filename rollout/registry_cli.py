@@ -210,9 +210,12 @@ def register_command(session: _Session, manifest_uri: str, sha256: str, ready: b
     """Register the artifact whose manifest is at MANIFEST_URI.
 
     Model and artifact id come from the manifest (not from --model). Registering the same
-    artifact with the same digest again is a no-op."""
+    artifact with the same digest again is a no-op. What this service could never serve
+    (runtime, feature schema, precision, architecture) is refused (exit 3)."""
+    from app.loader import check_compatibility  # torch: only for the command that needs it
+
     record = session.registry.register_artifact(
-        manifest_uri, sha256, state="ready" if ready else "pending"
+        manifest_uri, sha256, state="ready" if ready else "pending", accept=check_compatibility
     )
     _show_artifacts(session, [record])
 

@@ -27,7 +27,7 @@ from typing import Any, Final, Protocol, Self
 from app.artifact_store import fetch_manifest
 from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
-from app.manifest import is_sha256_hex
+from app.manifest import Manifest, is_sha256_hex
 from app.registry.base import (
     ArtifactRecord,
     ArtifactState,
@@ -280,6 +280,7 @@ class SqlRegistry(ABC):
         *,
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
+        accept: Callable[[Manifest], None] | None = None,
     ) -> ArtifactRecord:
         if state not in ("pending", "ready"):
             raise ValueError(f"an artifact is registered as pending or ready, not {state!r}")
@@ -288,6 +289,8 @@ class SqlRegistry(ABC):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
         # Outside the transaction: reading the manifest may be a network round trip.
         manifest = fetch_manifest(manifest_uri, digest)
+        if accept is not None:
+            accept(manifest)  # raises (ArtifactRejected) for what the caller cannot use
         merged = {**manifest.metadata, **(metadata or {})}
         now = self._ts_param(self._clock())
         with self._transaction(write=True) as tx:

@@ -16,7 +16,7 @@ All timestamps are timezone-aware UTC datetimes on both backends.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from app.contracts import PublishedTarget, Target
 from app.errors import ConsistencyError
+from app.manifest import Manifest
 
 ArtifactState = Literal["pending", "ready", "rejected"]
 
@@ -215,8 +216,11 @@ class Registry(Protocol):
         *,
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
+        accept: Callable[[Manifest], None] | None = None,
     ) -> ArtifactRecord:
         """Read + verify the manifest, then record it; model and artifact_id come from it.
+        ``accept(manifest)``, when given, is called before anything is written and refuses
+        (raises) what the caller cannot use, e.g. what the service could never serve.
 
         Same id and digest again: returns the existing record unchanged. Same id, another
         digest: DigestMismatch. A manifest that fails verification: ArtifactRejected."""
