@@ -440,7 +440,7 @@ def history_command(db_url: str | None, model: str, env: str, limit: int, as_jso
     """Past and current rollouts, newest first, from the registry."""
     from app.registry import default_registry_url, open_registry
 
-    with open_registry(db_url or default_registry_url()) as registry:
+    with open_registry(db_url or default_registry_url(), access="read") as registry:
         records = registry.list_rollouts(model, env, limit=limit)
     if as_json:
         for record in records:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import getpass
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,16 +32,12 @@ from app.registry import (
     ArtifactRecord,
     AuditEntry,
     Registry,
+    RegistryAccess,
     TargetRecord,
     open_registry,
 )
+from app.safe_text import redact_uri, terminal_safe
 from rollout.exit_codes import EXIT_REJECTED, error_line, exit_code_for
-
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@]+):[^@/]*@")
-
-
-def redact_url(url: str) -> str:
-    return _PASSWORD_IN_URL.sub(r"\1:***@", url)
 
 
 def _default_actor() -> str:
@@ -61,13 +56,21 @@ class _Session:
     as_json: bool
     _registry: Registry | None = field(default=None, repr=False)
 
-    @property
-    def registry(self) -> Registry:
-        # Opened on first use, so `--help` never touches a database.
+    def open(self, access: RegistryAccess) -> Registry:
+        """The registry, opened on first use (so `--help` never touches a database) with the
+        access the command needs: only `init` and `migrate` create or change a schema."""
         if self._registry is None:
-            self._registry = open_registry(self.db_url)
+            self._registry = open_registry(self.db_url, access=access)
             self.ctx.call_on_close(self._registry.close)
         return self._registry
+
+    @property
+    def reader(self) -> Registry:
+        return self.open("read")
+
+    @property
+    def writer(self) -> Registry:
+        return self.open("write")
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -189,15 +192,27 @@ def registry_group(ctx: click.Context, db_url: str, model: str, env: str, as_jso
     ctx.obj = _Session(ctx=ctx, db_url=db_url, model=model, env=env, as_json=as_json)
 
 
+def _show_schema(session: _Session, registry: Registry) -> None:
+    shown = terminal_safe(redact_uri(session.db_url))
+    if session.as_json:
+        _print_json({"db": shown, "schema_version": registry.schema_version})
+    else:
+        click.echo(f"registry {shown} at schema version {registry.schema_version}")
+
+
 @registry_group.command("init")
 @click.pass_obj
 def init_command(session: _Session) -> None:
-    """Create or migrate the registry schema (idempotent)."""
-    version = session.registry.schema_version
-    if session.as_json:
-        _print_json({"db": redact_url(session.db_url), "schema_version": version})
-    else:
-        click.echo(f"registry {redact_url(session.db_url)} at schema version {version}")
+    """Create the registry (an SQLite file and its directory if absent) and migrate its
+    schema (idempotent)."""
+    _show_schema(session, session.open("create"))
+
+
+@registry_group.command("migrate")
+@click.pass_obj
+def migrate_command(session: _Session) -> None:
+    """Migrate an existing registry to this code's schema (idempotent); creates nothing."""
+    _show_schema(session, session.open("migrate"))
 
 
 @registry_group.command("register")
@@ -214,7 +229,7 @@ def register_command(session: _Session, manifest_uri: str, sha256: str, ready: b
     (runtime, feature schema, precision, architecture) is refused (exit 3)."""
     from app.loader import check_compatibility  # torch: only for the command that needs it
 
-    record = session.registry.register_artifact(
+    record = session.writer.register_artifact(
         manifest_uri, sha256, state="ready" if ready else "pending", accept=check_compatibility
     )
     _show_artifacts(session, [record])
@@ -227,7 +242,7 @@ def register_command(session: _Session, manifest_uri: str, sha256: str, ready: b
 @click.pass_obj
 def approve_command(session: _Session, artifact_id: str, reason: str | None, actor: str) -> None:
     """Mark a pending artifact ready to publish."""
-    record = session.registry.approve_artifact(
+    record = session.writer.approve_artifact(
         session.model, artifact_id, actor=actor, reason=reason
     )
     _show_artifacts(session, [record])
@@ -240,7 +255,7 @@ def approve_command(session: _Session, artifact_id: str, reason: str | None, act
 @click.pass_obj
 def reject_command(session: _Session, artifact_id: str, reason: str, actor: str) -> None:
     """Mark an artifact rejected: it can never be published."""
-    record = session.registry.reject_artifact(
+    record = session.writer.reject_artifact(
         session.model, artifact_id, actor=actor, reason=reason
     )
     _show_artifacts(session, [record])
@@ -250,14 +265,14 @@ def reject_command(session: _Session, artifact_id: str, reason: str, actor: str)
 @click.pass_obj
 def artifacts_command(session: _Session) -> None:
     """List the model's artifacts."""
-    _show_artifacts(session, session.registry.list_artifacts(session.model))
+    _show_artifacts(session, session.reader.list_artifacts(session.model))
 
 
 @registry_group.command("targets")
 @click.pass_obj
 def targets_command(session: _Session) -> None:
     """Show what each cohort should serve, with its revision."""
-    _show_targets(session, session.registry.list_targets(session.model, session.env))
+    _show_targets(session, session.reader.list_targets(session.model, session.env))
 
 
 @registry_group.command("publish")
@@ -281,7 +296,7 @@ def publish_command(
     """Point COHORT at ARTIFACT_ID, if its revision is still --expected-revision.
 
     On a conflict (exit 4) nothing changed: re-read `targets` and decide again."""
-    target = session.registry.publish(
+    target = session.writer.publish(
         session.model,
         session.env,
         cohort,
@@ -300,5 +315,5 @@ def publish_command(
 @click.pass_obj
 def history_command(session: _Session, cohort: str | None, limit: int) -> None:
     """The target audit log, newest first."""
-    entries = session.registry.history(session.model, session.env, cohort=cohort, limit=limit)
+    entries = session.reader.history(session.model, session.env, cohort=cohort, limit=limit)
     _show_history(session, entries)

@@ -32,6 +32,7 @@ from app.registry.base import (
     ArtifactRecord,
     ArtifactState,
     AuditEntry,
+    RegistryAccess,
     ReplicaReportRecord,
     RolloutRecord,
     TargetRecord,
@@ -156,6 +157,52 @@ class SqlRegistry(ABC):
     def schema_version(self) -> int:
         return self._schema_version
 
+    @abstractmethod
+    def _has_schema_table(self, tx: Tx) -> bool:
+        """Whether the database has the ``schema_version`` table (read only)."""
+
+    def _open_schema(self, access: RegistryAccess) -> None:
+        """Migrate (``create``, ``migrate``) or only check that the schema is this code's."""
+        if access in ("create", "migrate"):
+            self._migrate()
+        else:
+            self._check_schema()
+
+    def _check_schema(self) -> None:
+        """Refuse a database whose schema is not the one this code knows; change nothing."""
+        known = migrations(self.dialect)
+        latest = known[-1][0] if known else 0
+        with self._transaction(write=False) as tx:
+            current = 0
+            if self._has_schema_table(tx):
+                row = tx.one("SELECT MAX(version) AS version FROM schema_version")
+                current = int(row["version"]) if row and row["version"] is not None else 0
+        if current == 0:
+            raise SchemaVersionError(
+                f"{self!r} holds no registry schema; create it with `rollout registry init`",
+                database_version=current,
+                known_version=latest,
+            )
+        if current < latest:
+            raise SchemaVersionError(
+                f"the registry database has schema version {current}, this code needs "
+                f"{latest}; run `rollout registry migrate` first",
+                database_version=current,
+                known_version=latest,
+            )
+        if current > latest:
+            raise self._too_new(current, latest)
+        self._schema_version = current
+
+    @staticmethod
+    def _too_new(current: int, latest: int) -> SchemaVersionError:
+        return SchemaVersionError(
+            f"the registry database has schema version {current}, newer than this code "
+            f"knows (up to {latest}); upgrade the code before using this database",
+            database_version=current,
+            known_version=latest,
+        )
+
     def _migrate(self) -> None:
         """Apply pending migrations under the migration lock; refuse a newer schema."""
         known = migrations(self.dialect)
@@ -166,12 +213,7 @@ class SqlRegistry(ABC):
             row = tx.one("SELECT MAX(version) AS version FROM schema_version")
             current = int(row["version"]) if row and row["version"] is not None else 0
             if current > latest:
-                raise SchemaVersionError(
-                    f"the registry database has schema version {current}, newer than this code "
-                    f"knows (up to {latest}); upgrade the code before using this database",
-                    database_version=current,
-                    known_version=latest,
-                )
+                raise self._too_new(current, latest)
             for version, name, sql in known:
                 if version > current:
                     tx.script(sql)

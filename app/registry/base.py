@@ -34,6 +34,12 @@ M = TypeVar("M", bound=BaseModel)
 
 ARTIFACT_STATES: Final[tuple[str, ...]] = ("pending", "ready", "rejected")
 
+# How a registry is opened: ``create`` makes the database (SQLite file) if absent and migrates
+# it; ``migrate`` migrates an existing one; ``write`` and ``read`` need an existing database
+# at this code's schema and change no schema (``read`` also writes no row).
+RegistryAccess = Literal["create", "migrate", "write", "read"]
+REGISTRY_ACCESS: Final[tuple[str, ...]] = ("create", "migrate", "write", "read")
+
 
 def utc_now() -> datetime:
     return datetime.now(UTC)

@@ -23,6 +23,11 @@ UNSERVABLE: list[tuple[Callable[[Path], PackResult], str, str]] = [
 ]
 
 
+def servable_manifest(root: Path) -> PackResult:
+    """An artifact this service can serve (registration reads only its manifest)."""
+    return artifacts.good_artifact(root)
+
+
 def rollout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [ROLLOUT, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
@@ -65,7 +70,7 @@ def test_register_refuses_what_the_service_cannot_serve(
 
 
 def test_a_servable_artifact_verifies_and_registers(tmp_path: Path) -> None:
-    result = artifacts.good_artifact(tmp_path / "art")
+    result = servable_manifest(tmp_path / "art")
     verified = rollout(
         "verify", result.manifest_uri, "--sha256", result.manifest_sha256,
         "--cache", str(tmp_path / "cache"), cwd=tmp_path,
