@@ -242,9 +242,7 @@ def register_command(session: _Session, manifest_uri: str, sha256: str, ready: b
 @click.pass_obj
 def approve_command(session: _Session, artifact_id: str, reason: str | None, actor: str) -> None:
     """Mark a pending artifact ready to publish."""
-    record = session.writer.approve_artifact(
-        session.model, artifact_id, actor=actor, reason=reason
-    )
+    record = session.writer.approve_artifact(session.model, artifact_id, actor=actor, reason=reason)
     _show_artifacts(session, [record])
 
 
@@ -255,9 +253,7 @@ def approve_command(session: _Session, artifact_id: str, reason: str | None, act
 @click.pass_obj
 def reject_command(session: _Session, artifact_id: str, reason: str, actor: str) -> None:
     """Mark an artifact rejected: it can never be published."""
-    record = session.writer.reject_artifact(
-        session.model, artifact_id, actor=actor, reason=reason
-    )
+    record = session.writer.reject_artifact(session.model, artifact_id, actor=actor, reason=reason)
     _show_artifacts(session, [record])
 
 

@@ -193,8 +193,7 @@ class SqliteRegistry(SqlRegistry):
 
     def _has_schema_table(self, tx: Tx) -> bool:
         return (
-            tx.one("SELECT 1 AS found FROM sqlite_master WHERE name = 'schema_version'")
-            is not None
+            tx.one("SELECT 1 AS found FROM sqlite_master WHERE name = 'schema_version'") is not None
         )
 
     def _lock_migrations(self, tx: Tx) -> None:

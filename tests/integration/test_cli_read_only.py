@@ -115,7 +115,8 @@ def test_an_old_schema_is_not_migrated_by_reads_or_writes_and_says_to_migrate(
 def test_migrate_refuses_a_missing_file_and_init_creates_it(tmp_path: Path) -> None:
     path = tmp_path / "new" / "registry.db"
     db = f"sqlite:///{path}"
-    one_error_line(rollout("registry", "--db", db, "migrate", cwd=tmp_path), 5, "registry.not_found")
+    migrate = rollout("registry", "--db", db, "migrate", cwd=tmp_path)
+    one_error_line(migrate, 5, "registry.not_found")
     assert not path.exists()
     created = rollout("registry", "--db", db, "init", cwd=tmp_path)
     assert created.returncode == 0, created.stderr
