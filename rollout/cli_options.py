@@ -49,9 +49,14 @@ def _one_line(text: str, what: str, limit: int) -> str:
     return value
 
 
-def check_reason(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    """A given ``--reason`` is one non-empty printable line; absent stays None."""
-    return None if value is None else _one_line(value, "why", MAX_REASON)
+def check_reason(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A given ``--reason`` is one non-empty printable line; absent stays None (unless the
+    option is required: click 8.3 lets an explicit ``default=None`` satisfy ``required``)."""
+    if value is None:
+        if param.required:
+            raise click.MissingParameter(param=param)
+        return None
+    return _one_line(value, "why", MAX_REASON)
 
 
 def check_actor(_ctx: click.Context, _param: click.Parameter, value: str) -> str:

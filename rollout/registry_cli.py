@@ -1,23 +1,19 @@
 """``rollout registry ...``: the model registry from the command line.
 
-Tables for people by default, ``--json`` for scripts. Exit codes:
-
-    0  ok
-    1  other registry failure (database unavailable, schema too new, inconsistency)
-    2  usage error (click)
-    3  the manifest was rejected (``rejected: CATEGORY: detail`` on stderr)
-    4  compare-and-set conflict: someone published first; the current revision is printed
-    5  not found, invalid state (e.g. artifact not ready) or digest mismatch
+Tables for people by default, ``--json`` for scripts. Exit codes: the one table of
+``rollout/exit_codes.py`` (3 rejected, 4 conflict, 5 not found / invalid state / schema to
+migrate, 6 configuration, 7 out of reach). Only ``init`` (creates) and ``migrate`` change a
+database's schema; the other commands need it there and current, and reads open it read-only.
 
 Errors print ``error[<category>]: <message>`` on stderr (and, with ``--json``, an object with
-``error``, ``message`` and, for a conflict, ``current`` on stdout), never a traceback.
+``error``, ``message`` and, for a conflict, ``current`` on stdout), never a traceback, with
+the registry URL's secrets masked and control characters escaped. Manifest URIs are shown
+redacted (a presigned URL's signature is a credential).
 """
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,19 +28,13 @@ from app.registry import (
     ArtifactRecord,
     AuditEntry,
     Registry,
-    RegistryAccess,
     TargetRecord,
     open_registry,
 )
-from app.safe_text import redact_uri, terminal_safe
+from app.registry.base import ArtifactAuditEntry, RegistryAccess
+from app.safe_text import redact_in, redact_uri, terminal_safe
+from rollout.cli_options import LIST_LIMIT, REVISION, actor_option, check_reason, reason_option
 from rollout.exit_codes import EXIT_REJECTED, error_line, exit_code_for
-
-
-def _default_actor() -> str:
-    try:
-        return os.environ.get("ROLLOUT_ACTOR") or getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
 
 
 @dataclass
@@ -74,7 +64,8 @@ class _Session:
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    # Values come from manifests and users: escaped, so none can drive the terminal.
+    cells = [[("-" if v is None else terminal_safe(str(v))) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     click.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in cells:
@@ -87,13 +78,18 @@ def _print_json(payload: Any) -> None:
     click.echo(json.dumps(payload, indent=2, sort_keys=True))
 
 
+def _redacted(record: dict[str, Any]) -> dict[str, Any]:
+    uri = record.get("manifest_uri")
+    return {**record, "manifest_uri": redact_uri(uri)} if isinstance(uri, str) else record
+
+
 def _ts(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> None:
     if session.as_json:
-        _print_json([r.to_dict() for r in records])
+        _print_json([_redacted(r.to_dict()) for r in records])
         return
     _print_table(
         ["model", "artifact", "state", "manifest_sha256", "feature_schema", "created"],
@@ -107,7 +103,7 @@ def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> Non
 
 def _show_targets(session: _Session, targets: Sequence[TargetRecord]) -> None:
     if session.as_json:
-        _print_json([t.to_dict() for t in targets])
+        _print_json([_redacted(t.to_dict()) for t in targets])
         return
     _print_table(
         ["cohort", "revision", "artifact", "manifest_sha256", "updated"],
@@ -139,21 +135,30 @@ class _RegistryGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ArtifactRejected as exc:
-            click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
+            click.echo(_shown(ctx, f"rejected: {exc.category}: {exc.detail}"), err=True)
             _json_error(ctx, exc)
             ctx.exit(EXIT_REJECTED)
         except RolloutSystemError as exc:
             # A RevisionConflict's message names the current revision already.
-            click.echo(error_line(exc.category, str(exc)), err=True)
+            click.echo(_shown(ctx, error_line(exc.category, str(exc))), err=True)
             _json_error(ctx, exc)
             ctx.exit(exit_code_for(exc))
+
+
+def _shown(ctx: click.Context, text: str) -> str:
+    """An error as the terminal may show it: the registry URL's secrets masked (a driver may
+    quote them), controls escaped (a file name may hold escapes), one line."""
+    session = ctx.find_object(_Session)
+    if session is not None:
+        text = redact_in(text, session.db_url)
+    return terminal_safe(" ".join(text.split()))
 
 
 def _json_error(ctx: click.Context, exc: RolloutSystemError) -> None:
     session = ctx.find_object(_Session)
     if session is None or not session.as_json:
         return
-    payload: dict[str, Any] = {"error": exc.category, "message": str(exc)}
+    payload: dict[str, Any] = {"error": exc.category, "message": _shown(ctx, str(exc))}
     if isinstance(exc, RevisionConflict):
         current = exc.current
         payload["current"] = current.to_dict() if hasattr(current, "to_dict") else None
@@ -164,14 +169,6 @@ def _check_sha256(_ctx: click.Context, _param: click.Parameter, value: str) -> s
     if not is_sha256_hex(value.strip().lower()):
         raise click.BadParameter("must be 64 hex characters (the manifest's SHA-256)")
     return value.strip().lower()
-
-
-_actor_option = click.option(
-    "--actor",
-    default=_default_actor,
-    show_default="$ROLLOUT_ACTOR or the login name",
-    help="Who does this (recorded).",
-)
 
 
 @click.group("registry", cls=_RegistryGroup)
@@ -220,8 +217,11 @@ def migrate_command(session: _Session) -> None:
 @click.option("--sha256", "sha256", required=True, callback=_check_sha256,
               help="Pinned SHA-256 of the manifest bytes.")  # fmt: skip
 @click.option("--ready", is_flag=True, help="Register as ready (skip the approval step).")
+@actor_option
 @click.pass_obj
-def register_command(session: _Session, manifest_uri: str, sha256: str, ready: bool) -> None:
+def register_command(
+    session: _Session, manifest_uri: str, sha256: str, ready: bool, actor: str
+) -> None:
     """Register the artifact whose manifest is at MANIFEST_URI.
 
     Model and artifact id come from the manifest (not from --model). Registering the same
@@ -230,15 +230,19 @@ def register_command(session: _Session, manifest_uri: str, sha256: str, ready: b
     from app.loader import check_compatibility  # torch: only for the command that needs it
 
     record = session.writer.register_artifact(
-        manifest_uri, sha256, state="ready" if ready else "pending", accept=check_compatibility
+        manifest_uri,
+        sha256,
+        state="ready" if ready else "pending",
+        accept=check_compatibility,
+        actor=actor,
     )
     _show_artifacts(session, [record])
 
 
 @registry_group.command("approve")
 @click.argument("artifact_id")
-@click.option("--reason", default=None, help="Why (recorded).")
-@_actor_option
+@reason_option()
+@actor_option
 @click.pass_obj
 def approve_command(session: _Session, artifact_id: str, reason: str | None, actor: str) -> None:
     """Mark a pending artifact ready to publish."""
@@ -248,8 +252,8 @@ def approve_command(session: _Session, artifact_id: str, reason: str | None, act
 
 @registry_group.command("reject")
 @click.argument("artifact_id")
-@click.option("--reason", required=True, help="Why (recorded).")
-@_actor_option
+@reason_option(required=True)
+@actor_option
 @click.pass_obj
 def reject_command(session: _Session, artifact_id: str, reason: str, actor: str) -> None:
     """Mark an artifact rejected: it can never be published."""
@@ -274,11 +278,16 @@ def targets_command(session: _Session) -> None:
 @registry_group.command("publish")
 @click.argument("cohort", type=click.Choice(COHORTS))
 @click.argument("artifact_id")
-@click.option("--expected-revision", type=click.IntRange(min=0), required=True,
+@click.option("--expected-revision", type=REVISION, required=True,
               help="The revision you read; 0 creates the cohort's first target.")  # fmt: skip
-@click.option("--reason", required=True, help="Why (recorded in the audit log).")
-@click.option("--approval", default=None, help="Approval reference (ticket, reviewer).")
-@_actor_option
+@reason_option(required=True, help_text="Why (recorded in the audit log).")
+@click.option(
+    "--approval",
+    default=None,
+    callback=check_reason,
+    help="Approval reference (ticket, reviewer).",
+)
+@actor_option
 @click.pass_obj
 def publish_command(
     session: _Session,
@@ -307,9 +316,36 @@ def publish_command(
 
 @registry_group.command("history")
 @click.option("--cohort", type=click.Choice(COHORTS), default=None, help="Only this cohort.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--artifacts",
+    "artifact_decisions",
+    is_flag=True,
+    help="The artifacts' audit log instead: registrations, approvals, rejections.",
+)
+@click.option("--limit", type=LIST_LIMIT, default=50, show_default=True)
 @click.pass_obj
-def history_command(session: _Session, cohort: str | None, limit: int) -> None:
-    """The target audit log, newest first."""
+def history_command(
+    session: _Session, cohort: str | None, artifact_decisions: bool, limit: int
+) -> None:
+    """The audit log, newest first: target publishes (default) or artifact decisions."""
+    if artifact_decisions:
+        if cohort is not None:
+            raise click.BadParameter("not with --artifacts", param_hint="--cohort")
+        decisions = session.reader.artifact_history(session.model, limit=limit)
+        _show_artifact_history(session, decisions)
+        return
     entries = session.reader.history(session.model, session.env, cohort=cohort, limit=limit)
     _show_history(session, entries)
+
+
+def _show_artifact_history(session: _Session, entries: Sequence[ArtifactAuditEntry]) -> None:
+    if session.as_json:
+        _print_json([e.to_dict() for e in entries])
+        return
+    _print_table(
+        ["at", "artifact", "action", "from", "to", "actor", "reason"],
+        [
+            (_ts(e.at), e.artifact_id, e.action, e.old_state, e.new_state, e.actor, e.reason)
+            for e in entries
+        ],
+    )

@@ -6,11 +6,9 @@ Open one with :func:`open_registry`; the operations are those of :class:`Registr
 
 from app.registry.base import (
     ARTIFACT_STATES,
-    REGISTRY_ACCESS,
     ArtifactRecord,
     AuditEntry,
     Registry,
-    RegistryAccess,
     ReplicaReportRecord,
     RolloutRecord,
     TargetRecord,
@@ -21,11 +19,9 @@ from app.registry.factory import DEFAULT_REGISTRY_URL, default_registry_url, ope
 __all__ = [
     "ARTIFACT_STATES",
     "DEFAULT_REGISTRY_URL",
-    "REGISTRY_ACCESS",
     "ArtifactRecord",
     "AuditEntry",
     "Registry",
-    "RegistryAccess",
     "ReplicaReportRecord",
     "RolloutRecord",
     "TargetRecord",

@@ -29,6 +29,7 @@ from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
 from app.manifest import Manifest, is_sha256_hex
 from app.registry.base import (
+    ArtifactAuditEntry,
     ArtifactRecord,
     ArtifactState,
     AuditEntry,
@@ -323,6 +324,7 @@ class SqlRegistry(ABC):
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
         accept: Callable[[Manifest], None] | None = None,
+        actor: str = "unknown",
     ) -> ArtifactRecord:
         if state not in ("pending", "ready"):
             raise ValueError(f"an artifact is registered as pending or ready, not {state!r}")
@@ -357,7 +359,9 @@ class SqlRegistry(ABC):
                     now,
                 ),
             )
-            if row is None:
+            if row is not None:
+                self._audit_artifact(tx, row, "register", None, actor, None, now)
+            else:
                 row = self._artifact_row(tx, manifest.model, manifest.artifact_id)
                 if row["manifest_sha256"] != digest:
                     raise DigestMismatch(
@@ -394,19 +398,73 @@ class SqlRegistry(ABC):
             )
         return [self._artifact(r) for r in rows]
 
+    def _audit_artifact(
+        self,
+        tx: Tx,
+        row: Row,
+        action: str,
+        old_state: str | None,
+        actor: str,
+        reason: str | None,
+        at: Any,
+    ) -> None:
+        tx.run(
+            """
+            INSERT INTO artifact_audit (model, artifact_id, action, old_state, new_state,
+                actor, reason, at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+            """,
+            (row["model"], row["artifact_id"], action, old_state, row["state"], actor, reason, at),
+        )
+
     def _set_artifact_state(
-        self, tx: Tx, model: str, artifact_id: str, state: str, actor: str, reason: str | None
+        self,
+        tx: Tx,
+        current: Row,
+        state: str,
+        action: str,
+        actor: str,
+        reason: str | None,
     ) -> Row:
+        now = self._ts_param(self._clock())
         row = tx.one(
             """
             UPDATE model_artifact SET state = ?, state_actor = ?, state_reason = ?, updated_at = ?
             WHERE model = ? AND artifact_id = ?
             RETURNING *
             """,
-            (state, actor, reason, self._ts_param(self._clock()), model, artifact_id),
+            (state, actor, reason, now, current["model"], current["artifact_id"]),
         )
         assert row is not None, "the row was locked by this transaction"
+        self._audit_artifact(tx, row, action, current["state"], actor, reason, now)
         return row
+
+    def artifact_history(
+        self, model: str, *, artifact_id: str | None = None, limit: int = 100
+    ) -> list[ArtifactAuditEntry]:
+        sql = "SELECT * FROM artifact_audit WHERE model = ?"
+        params: list[Any] = [model]
+        if artifact_id is not None:
+            sql += " AND artifact_id = ?"
+            params.append(artifact_id)
+        sql += " ORDER BY id DESC LIMIT ?"
+        params.append(limit)
+        with self._transaction(write=False) as tx:
+            rows = tx.all(sql, params)
+        return [
+            ArtifactAuditEntry(
+                id=int(r["id"]),
+                model=r["model"],
+                artifact_id=r["artifact_id"],
+                action=r["action"],
+                old_state=r["old_state"],
+                new_state=r["new_state"],
+                actor=r["actor"],
+                reason=r["reason"],
+                at=self._ts_value(r["at"]),
+            )
+            for r in rows
+        ]
 
     def approve_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
@@ -422,7 +480,7 @@ class SqlRegistry(ABC):
                     artifact_id=artifact_id,
                 )
             if row["state"] != "ready":
-                row = self._set_artifact_state(tx, model, artifact_id, "ready", actor, reason)
+                row = self._set_artifact_state(tx, row, "ready", "approve", actor, reason)
         return self._artifact(row)
 
     def reject_artifact(
@@ -446,7 +504,7 @@ class SqlRegistry(ABC):
                         model=model,
                         artifact_id=artifact_id,
                     )
-                row = self._set_artifact_state(tx, model, artifact_id, "rejected", actor, reason)
+                row = self._set_artifact_state(tx, row, "rejected", "reject", actor, reason)
         return self._artifact(row)
 
     # ---- targets -------------------------------------------------------------------------

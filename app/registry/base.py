@@ -132,6 +132,21 @@ class AuditEntry(_Record):
 
 
 @dataclass(frozen=True)
+class ArtifactAuditEntry(_Record):
+    """One decision about an artifact: its registration, approval or rejection."""
+
+    id: int
+    model: str
+    artifact_id: str
+    action: str  # register | approve | reject
+    old_state: str | None  # None for a registration
+    new_state: str
+    actor: str
+    reason: str | None
+    at: datetime
+
+
+@dataclass(frozen=True)
 class RolloutRecord(_Record):
     """A rollout as persisted; ``version`` is its compare-and-set counter (starts at 1)."""
 
@@ -223,10 +238,12 @@ class Registry(Protocol):
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
         accept: Callable[[Manifest], None] | None = None,
+        actor: str = "unknown",
     ) -> ArtifactRecord:
         """Read + verify the manifest, then record it; model and artifact_id come from it.
         ``accept(manifest)``, when given, is called before anything is written and refuses
         (raises) what the caller cannot use, e.g. what the service could never serve.
+        A new registration is an audit row by ``actor`` (:meth:`artifact_history`).
 
         Same id and digest again: returns the existing record unchanged. Same id, another
         digest: DigestMismatch. A manifest that fails verification: ArtifactRejected."""
@@ -239,13 +256,22 @@ class Registry(Protocol):
     def approve_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
     ) -> ArtifactRecord:
-        """pending -> ready (ready stays ready); rejected -> InvalidState."""
+        """pending -> ready (ready stays ready); rejected -> InvalidState. A change is an
+        audit row."""
         ...
 
     def reject_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str
     ) -> ArtifactRecord:
-        """pending|ready -> rejected; InvalidState while any cohort targets it."""
+        """pending|ready -> rejected; InvalidState while any cohort targets it. A change is an
+        audit row."""
+        ...
+
+    def artifact_history(
+        self, model: str, *, artifact_id: str | None = None, limit: int = 100
+    ) -> list[ArtifactAuditEntry]:
+        """Registrations, approvals and rejections (each one that changed a state), newest
+        first."""
         ...
 
     # Targets

@@ -53,7 +53,8 @@ def _map_db_errors(url: str) -> Iterator[None]:
     every message is redacted against ``url`` and made safe for a terminal."""
 
     def said(exc: BaseException | str | None) -> str:
-        return terminal_safe(redact_in(str(exc), url))
+        # One line (libpq's messages span several), secrets masked, controls escaped.
+        return terminal_safe(" ".join(redact_in(str(exc), url).split()))
 
     try:
         yield
