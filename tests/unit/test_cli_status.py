@@ -179,3 +179,21 @@ def test_long_ids_keep_the_columns_aligned_and_escapes_are_shown_not_run() -> No
     assert "\x1b" not in "".join(lines)
     assert "ranker-v41\\x1b[2J" in table[2]
     assert "  00:01:01 held: a\\x1b]0;title\\x07b" in lines
+
+
+def test_controller_settings_are_shown_with_their_credentials_masked(capsys: Any) -> None:
+    from rollout.cli import _show_ping
+
+    _show_ping(
+        {
+            "registry_url": "postgresql://ranker:hunter2@db:5432/registry",
+            "dashboard_url": "https://ops:t0ken-secret@head:8265",
+            "prometheus_url": "https://prom/api?token=abc123xyz",
+            "pid": 7,
+            "ticks": 3,
+            "repaired": None,
+        }
+    )
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and "t0ken-secret" not in out and "abc123xyz" not in out
+    assert "postgresql://ranker:***@db:5432/registry" in out
