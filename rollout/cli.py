@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -32,10 +33,11 @@ from app.contracts import (
 from app.errors import (
     ArtifactRejected,
     ConfigError,
+    FetchFailed,
     RolloutSystemError,
 )
 from app.manifest import Architecture, is_sha256_hex
-from app.safe_text import redact_uri, terminal_safe
+from app.safe_text import redact_in, redact_uri, terminal_safe
 from rollout.cli_options import LIST_LIMIT, FiniteRange, actor_option, reason_option
 from rollout.cluster import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from rollout.exit_codes import (
@@ -120,6 +122,22 @@ def pack(
     emit(result.as_json())
 
 
+@contextmanager
+def _redacting(*uris: str) -> Iterator[None]:
+    """Errors raised inside come out with the secrets of ``uris`` masked (a manifest URI may
+    carry userinfo or a presigned signature, which a fetch error would quote)."""
+    try:
+        yield
+    except ArtifactRejected as exc:
+        detail = redact_in(exc.detail, *uris)
+        raise ArtifactRejected(exc.category, detail, artifact_id=exc.artifact_id) from None
+    except FetchFailed as exc:
+        raise FetchFailed(redact_in(exc.detail, *uris)) from None
+    except RolloutSystemError as exc:
+        exc.message = redact_in(exc.message, *uris)
+        raise
+
+
 @cli.command()
 @click.argument("manifest_uri")
 @click.option("--sha256", "manifest_sha256", required=True, callback=_sha256_option)
@@ -146,11 +164,12 @@ def verify(
     from app.loader import check_compatibility
 
     started = time.monotonic()
-    cache = ArtifactCache(cache_dir, trust_key=trust_key)
-    artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
-    # What the manifest says decides whether the service could ever serve it: no weights
-    # need loading to refuse an unknown runtime, schema, precision or architecture.
-    check_compatibility(artifact.manifest)
+    with _redacting(manifest_uri):
+        cache = ArtifactCache(cache_dir, trust_key=trust_key)
+        artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
+        # What the manifest says decides whether the service could ever serve it: no weights
+        # need loading to refuse an unknown runtime, schema, precision or architecture.
+        check_compatibility(artifact.manifest)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),

@@ -45,6 +45,9 @@ class _Session:
     env: str
     as_json: bool
     _registry: Registry | None = field(default=None, repr=False)
+    # URIs whose secrets an error of this command must not show (the registry URL, a
+    # manifest URI given to it).
+    secret_uris: list[str] = field(default_factory=list)
 
     def open(self, access: RegistryAccess) -> Registry:
         """The registry, opened on first use (so `--help` never touches a database) with the
@@ -150,7 +153,7 @@ def _shown(ctx: click.Context, text: str) -> str:
     quote them), controls escaped (a file name may hold escapes), one line."""
     session = ctx.find_object(_Session)
     if session is not None:
-        text = redact_in(text, session.db_url)
+        text = redact_in(text, session.db_url, *session.secret_uris)
     return terminal_safe(" ".join(text.split()))
 
 
@@ -229,6 +232,7 @@ def register_command(
     (runtime, feature schema, precision, architecture) is refused (exit 3)."""
     from app.loader import check_compatibility  # torch: only for the command that needs it
 
+    session.secret_uris.append(manifest_uri)
     record = session.writer.register_artifact(
         manifest_uri,
         sha256,

@@ -67,3 +67,18 @@ def test_an_escape_in_a_file_name_is_shown_escaped(tmp_path: Path) -> None:
     assert done.returncode == 5, done.stderr
     assert "\x1b" not in done.stderr and "\x07" not in done.stderr
     assert "\\x1b]0;owned\\x07" in done.stderr
+
+
+def test_a_manifest_uri_password_never_reaches_the_terminal(tmp_path: Path) -> None:
+    uri = f"http://ops:manifestpw@127.0.0.1:{free_port()}/ranker-v42/manifest.json"
+    db = f"sqlite:///{tmp_path / 'registry.db'}"
+    assert rollout("registry", "--db", db, "init", cwd=tmp_path).returncode == 0
+    for args in (
+        ("verify", uri, "--sha256", "a" * 64, "--cache", str(tmp_path / "cache")),
+        ("registry", "--db", db, "register", uri, "--sha256", "a" * 64),
+    ):
+        done = rollout(*args, cwd=tmp_path)
+        # Nothing listens: a fetch failure (7; "missing", 3, where the store says so).
+        assert done.returncode in (3, 7), (args, done.returncode, done.stderr)
+        assert "manifestpw" not in done.stderr + done.stdout, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
