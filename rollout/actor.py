@@ -15,15 +15,19 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from app.contracts import ControllerPing, ControllerSettings, OperatorCommandName
+from rollout.cluster import (
+    CONTROLLER_NAME,
+    CONTROLLER_NAMESPACE,
+    DEFAULT_TIMEOUT_S,
+    call,
+    find_controller,
+)
 from rollout.engine import RolloutEngine
 from rollout.machine import Abort, OperatorCommand, Pause, Promote, Resume, Rollback
 from rollout.plan import RolloutPlan
 from rollout.status_view import wire
 
 log = logging.getLogger(__name__)
-
-CONTROLLER_NAME: Final = "rollout-controller"
-CONTROLLER_NAMESPACE: Final = "rollout"
 
 COMMANDS: Final[dict[OperatorCommandName, Callable[[str], OperatorCommand]]] = {
     "pause": lambda reason: Pause(reason=reason),
@@ -95,8 +99,10 @@ class RolloutController:
         )
         return wire(summary)
 
-    def command(self, name: OperatorCommandName, reason: str = "") -> dict[str, Any]:
-        return wire(self.engine.command(COMMANDS[name](reason)))
+    def command(
+        self, name: OperatorCommandName, reason: str = "", actor: str = "operator"
+    ) -> dict[str, Any]:
+        return wire(self.engine.command(COMMANDS[name](reason), actor=actor, reason=reason))
 
     def rollback_stable(
         self, artifact_id: str | None, actor: str = "operator", reason: str = "rollback"
@@ -123,37 +129,19 @@ class RolloutController:
         self.engine.report_instance(report)
 
 
-def connect(address: str | None = None) -> str | None:
-    """Attach to the running cluster (``RAY_ADDRESS`` or ``auto``) in the controller's
-    namespace; returns the cluster's dashboard URL when Ray tells it."""
-    import ray
-
-    if ray.is_initialized():
-        return None
-    context = ray.init(
-        address=address or "auto",
-        namespace=CONTROLLER_NAMESPACE,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-    )
-    url = getattr(context, "dashboard_url", None)
-    if not url:
-        return None
-    return url if url.startswith("http") else f"http://{url}"
+def get_controller(name: str = CONTROLLER_NAME, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any | None:
+    """The cluster's controller handle, or None (never creates one)."""
+    return find_controller(name, timeout_s)
 
 
-def get_controller(name: str = CONTROLLER_NAME) -> Any | None:
-    import ray
-
-    try:
-        return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
-    except ValueError:
-        return None
-
-
-def ensure_controller(settings: ControllerSettings, name: str = CONTROLLER_NAME) -> Any:
+def ensure_controller(
+    settings: ControllerSettings,
+    name: str = CONTROLLER_NAME,
+    timeout_s: float | None = None,
+) -> Any:
     """The named controller, created (detached) if absent. Restarted by Ray if its process
-    dies; a new one resumes the active rollout from the registry."""
+    dies; a new one resumes the active rollout from the registry. ``timeout_s`` bounds the
+    wait for the new controller's first answer (None: wait as long as it takes)."""
     import ray
 
     existing = get_controller(name)
@@ -169,5 +157,8 @@ def ensure_controller(settings: ControllerSettings, name: str = CONTROLLER_NAME)
         max_concurrency=16,
         max_restarts=-1,
     ).remote(settings.model_dump())
-    ray.get(handle.ping.remote())
+    if timeout_s is None:
+        ray.get(handle.ping.remote())
+    else:
+        call(handle.ping, timeout_s=timeout_s)
     return handle

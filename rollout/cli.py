@@ -1,19 +1,20 @@
 """The ``rollout`` command.
 
-Exit codes (scripts key on them):
-    0 ok, 2 usage, 3 artifact rejected, 4 conflict (compare-and-set lost),
-    5 not found or invalid state, 6 configuration error, 1 anything unexpected.
+Exit codes (scripts key on them): the table of ``rollout/exit_codes.py``.
 Errors print one line, ``error[<category>]: <message>`` (``rejected: <category>: <detail>`` for
-artifacts), never a traceback.
+artifacts), never a traceback. Only ``rollout controller start`` and ``rollout start`` create
+the controller; every other command that talks to the cluster needs one running (exit 5) and
+gives up after ``--timeout`` seconds (exit 7).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,23 +26,31 @@ from app.contracts import (
     ControllerPing,
     ControllerSettings,
     ControllerStatus,
+    OperatorCommandName,
     PublishedTarget,
     RolloutSummary,
 )
 from app.errors import (
     ArtifactRejected,
     ConfigError,
-    NotFound,
+    FetchFailed,
     RolloutSystemError,
 )
 from app.manifest import Architecture, is_sha256_hex
+from app.safe_text import redact_in, redact_uri, terminal_safe
+from rollout.cli_options import LIST_LIMIT, FiniteRange, actor_option, reason_option
+from rollout.cluster import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from rollout.exit_codes import (
     EXIT_OK,
     EXIT_REJECTED,
+    EXIT_ROLLOUT_ABORTED,
+    EXIT_ROLLOUT_FAILED,
+    EXIT_ROLLOUT_ROLLED_BACK,
     EXIT_UNEXPECTED,
     EXIT_USAGE,
     error_line,
     exit_code_for,
+    exit_code_for_phase,
 )
 from rollout.status_view import render_status
 
@@ -113,6 +122,22 @@ def pack(
     emit(result.as_json())
 
 
+@contextmanager
+def _redacting(*uris: str) -> Iterator[None]:
+    """Errors raised inside come out with the secrets of ``uris`` masked (a manifest URI may
+    carry userinfo or a presigned signature, which a fetch error would quote)."""
+    try:
+        yield
+    except ArtifactRejected as exc:
+        detail = redact_in(exc.detail, *uris)
+        raise ArtifactRejected(exc.category, detail, artifact_id=exc.artifact_id) from None
+    except FetchFailed as exc:
+        raise FetchFailed(redact_in(exc.detail, *uris)) from None
+    except RolloutSystemError as exc:
+        exc.message = redact_in(exc.message, *uris)
+        raise
+
+
 @cli.command()
 @click.argument("manifest_uri")
 @click.option("--sha256", "manifest_sha256", required=True, callback=_sha256_option)
@@ -133,12 +158,18 @@ def verify(
     load: bool,
     memory_budget: int | None,
 ) -> None:
-    """Fetch MANIFEST_URI into the verified cache and check every file (and the model)."""
+    """Fetch MANIFEST_URI into the verified cache and check every file and that this service
+    can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
     from app.cache import ArtifactCache
+    from app.loader import check_compatibility
 
     started = time.monotonic()
-    cache = ArtifactCache(cache_dir, trust_key=trust_key)
-    artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
+    with _redacting(manifest_uri):
+        cache = ArtifactCache(cache_dir, trust_key=trust_key)
+        artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
+        # What the manifest says decides whether the service could ever serve it: no weights
+        # need loading to refuse an unknown runtime, schema, precision or architecture.
+        check_compatibility(artifact.manifest)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),
@@ -212,6 +243,15 @@ def _cluster_options(func: Any) -> Any:
             default=None,
             help="Ray dashboard URL (default: the connected cluster's).",
         ),
+        click.option(
+            "--timeout",
+            "timeout_s",
+            type=FiniteRange(min=0.1, max=MAX_TIMEOUT_S),
+            default=DEFAULT_TIMEOUT_S,
+            show_default=True,
+            help="Seconds to wait for the cluster and for each answer of the controller "
+            "(exit 7 past it).",
+        ),
         click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON output."),
     ]
     for option in reversed(options):
@@ -219,36 +259,25 @@ def _cluster_options(func: Any) -> Any:
     return func
 
 
-def _attach(address: str | None) -> str | None:
-    """Attach to the running cluster; its dashboard URL when Ray tells it."""
-    from rollout.actor import connect
+def _running_controller(address: str | None, timeout_s: float) -> Any:
+    """The cluster's controller, which must already run: never created here (exit 5)."""
+    from rollout.cluster import connect, running_controller
 
-    try:
-        return connect(address)
-    except ConnectionError as exc:
-        raise ConfigError(
-            f"no Ray cluster to attach to ({exc}); start one or set --address"
-        ) from exc
+    connect(address, timeout_s)
+    return running_controller(timeout_s=timeout_s)
 
 
-def _running_controller(address: str | None) -> Any:
-    """The cluster's controller, which must already run (never created here)."""
-    from rollout.actor import get_controller
-
-    _attach(address)
-    handle = get_controller()
-    if handle is None:
-        raise NotFound("no rollout controller is running in this cluster")
-    return handle
-
-
-def _controller(address: str | None, db_url: str | None, dashboard: str | None) -> Any:
-    """Attach to the cluster and return its controller, creating it if absent."""
+def _controller(
+    address: str | None, db_url: str | None, dashboard: str | None, timeout_s: float
+) -> Any:
+    """Attach to the cluster and return its controller, creating it if absent (only
+    `rollout controller start` and `rollout start` do)."""
     from app.registry import default_registry_url
-    from rollout.actor import absolute_registry_url, ensure_controller, get_controller
+    from rollout.actor import absolute_registry_url, ensure_controller
+    from rollout.cluster import connect, find_controller
 
-    cluster_dashboard = _attach(address)
-    existing = get_controller()
+    cluster_dashboard = connect(address, timeout_s)
+    existing = find_controller(timeout_s=timeout_s)
     if existing is not None:
         return existing
     dashboard = dashboard or cluster_dashboard
@@ -258,13 +287,13 @@ def _controller(address: str | None, db_url: str | None, dashboard: str | None) 
         registry_url=absolute_registry_url(db_url or default_registry_url()),
         dashboard_url=dashboard,
     )
-    return ensure_controller(settings)
+    return ensure_controller(settings, timeout_s=timeout_s)
 
 
-def _call(handle_method: Any, *args: Any) -> Any:
-    import ray
+def _call(handle_method: Any, *args: Any, timeout_s: float) -> Any:
+    from rollout.cluster import call
 
-    return ray.get(handle_method.remote(*args), timeout=120)
+    return call(handle_method, *args, timeout_s=timeout_s)
 
 
 def _show(payload: dict[str, Any], as_json: bool, view: type[RolloutSummary]) -> None:
@@ -280,34 +309,48 @@ def controller() -> None:
     """The detached rollout controller actor of the running cluster."""
 
 
+def _show_ping(answer: dict[str, Any]) -> None:
+    """The controller's settings, with the credentials of its URLs masked."""
+    ping = ControllerPing.model_validate(answer)
+    shown = dict(answer)
+    shown["registry_url"] = redact_uri(ping.registry_url)
+    shown["dashboard_url"] = redact_uri(ping.dashboard_url)
+    if ping.prometheus_url:
+        shown["prometheus_url"] = redact_uri(ping.prometheus_url)
+    emit(shown)
+
+
 @controller.command("start")
 @_cluster_options
 def controller_start(
-    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
-) -> None:
+    address: str | None, db_url: str | None, dashboard: str | None, timeout_s: float,
+    as_json: bool,
+) -> None:  # fmt: skip
     """Create the controller if absent (it resumes any active rollout and repairs drift)."""
-    handle = _controller(address, db_url, dashboard)
-    emit(_call(handle.ping))
+    handle = _controller(address, db_url, dashboard, timeout_s)
+    _show_ping(_call(handle.ping, timeout_s=timeout_s))
 
 
 @controller.command("status")
 @_cluster_options
 def controller_status(
-    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
-) -> None:
-    """Is the controller running, and with which settings."""
-    emit(_call(_running_controller(address).ping))
+    address: str | None, db_url: str | None, dashboard: str | None, timeout_s: float,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Is the controller running, and with which settings (exit 5 if not running)."""
+    _show_ping(_call(_running_controller(address, timeout_s).ping, timeout_s=timeout_s))
 
 
 @controller.command("stop")
 @_cluster_options
 def controller_stop(
-    address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
-) -> None:
+    address: str | None, db_url: str | None, dashboard: str | None, timeout_s: float,
+    as_json: bool,
+) -> None:  # fmt: skip
     """Stop the controller; an active rollout holds where it is until one starts again."""
     import ray
 
-    ray.kill(_running_controller(address), no_restart=True)
+    ray.kill(_running_controller(address, timeout_s), no_restart=True)
     emit({"stopped": True})
 
 
@@ -320,7 +363,7 @@ def controller_stop(
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Rollout plan YAML (default: configs/rollout.yaml's defaults).",
 )
-@click.option("--actor", default=lambda: os.environ.get("ROLLOUT_ACTOR") or "operator")
+@actor_option
 @_cluster_options
 def start_command(
     model: str,
@@ -330,23 +373,34 @@ def start_command(
     address: str | None,
     db_url: str | None,
     dashboard: str | None,
+    timeout_s: float,
     as_json: bool,
 ) -> None:
-    """Roll ARTIFACT_ID of MODEL out: canary, weighted steps, analysis, promotion."""
+    """Roll ARTIFACT_ID of MODEL out: canary, weighted steps, analysis, promotion (creates the
+    controller if the cluster has none)."""
     from rollout.plan import RolloutPlan, load_plan
 
     plan = load_plan(plan_file) if plan_file else RolloutPlan()
-    handle = _controller(address, db_url, dashboard)
-    settings = ControllerPing.model_validate(_call(handle.ping))
+    handle = _controller(address, db_url, dashboard, timeout_s)
+    settings = ControllerPing.model_validate(_call(handle.ping, timeout_s=timeout_s))
     if settings.model != model:
         raise ConfigError(f"MODEL: this cluster's controller manages {settings.model!r}")
-    summary = _call(handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor)
+    summary = _call(
+        handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor,
+        timeout_s=timeout_s,
+    )  # fmt: skip
     _show(summary, as_json, RolloutSummary)
 
 
 @cli.command("status")
-@click.option("--watch", is_flag=True, help="Refresh until the rollout finishes (Ctrl-C stops).")
-@click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True)
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Refresh until the rollout finishes (Ctrl-C stops); exits "
+    f"{EXIT_ROLLOUT_FAILED} failed, {EXIT_ROLLOUT_ROLLED_BACK} rolled back, "
+    f"{EXIT_ROLLOUT_ABORTED} aborted.",
+)
+@click.option("--interval", type=FiniteRange(min=0.2, max=3600), default=2.0, show_default=True)
 @_cluster_options
 def status_command(
     watch: bool,
@@ -354,33 +408,52 @@ def status_command(
     address: str | None,
     db_url: str | None,
     dashboard: str | None,
+    timeout_s: float,
     as_json: bool,
 ) -> None:
-    """Phase, step, weights, per-cohort traffic, verdicts, replicas."""
-    handle = _controller(address, db_url, dashboard)
+    """Phase, step, weights, per-cohort traffic, verdicts, replicas, events."""
+    handle = _running_controller(address, timeout_s)
+    # Clearing the screen is for a person at a terminal; a log or a pipe gets each view in
+    # turn, separated by a blank line.
+    on_terminal = click.get_text_stream("stdout").isatty()
+    first = True
     while True:
-        answer = _call(handle.status)
+        answer = _call(handle.status, timeout_s=timeout_s)
         view = ControllerStatus.model_validate(answer)
-        if watch and not as_json:
-            click.echo("\x1b[2J\x1b[H", nl=False)
         if as_json:
             emit(answer)
         else:
-            click.echo(render_status(view))
+            if watch and on_terminal:
+                click.echo("\x1b[2J\x1b[H", nl=False)
+            elif watch and not first:
+                click.echo("")
+            click.echo(render_status(view, now=time.time()))
+        first = False
         if not watch or not view.rollout or view.finished:
-            return
+            break
         time.sleep(interval)
+    if watch:
+        # CI gates on the outcome of the rollout it watched.
+        raise click.exceptions.Exit(exit_code_for_phase(view.phase))
 
 
-def _operator_command(name: str, doc: str) -> None:
+def _operator_command(name: OperatorCommandName, doc: str) -> None:
     @cli.command(name, help=doc)
-    @click.option("--reason", default="", help="Why (recorded in the rollout's events).")
+    @reason_option(help_text="Why (recorded in the rollout's events).")
+    @actor_option
     @_cluster_options
     def command(
-        reason: str, address: str | None, db_url: str | None, dashboard: str | None, as_json: bool
+        reason: str | None,
+        actor: str,
+        address: str | None,
+        db_url: str | None,
+        dashboard: str | None,
+        timeout_s: float,
+        as_json: bool,
     ) -> None:
-        handle = _controller(address, db_url, dashboard)
-        _show(_call(handle.command, name, reason), as_json, CommandAccepted)
+        handle = _running_controller(address, timeout_s)
+        answer = _call(handle.command, name, reason or "", actor, timeout_s=timeout_s)
+        _show(answer, as_json, CommandAccepted)
 
 
 _operator_command("pause", "Hold the rollout at its current weights.")
@@ -397,30 +470,34 @@ _operator_command("abort", "Stop the rollout: stable 100% first, then clean up."
     help="With no rollout in progress: the artifact stable goes back to "
     "(default: the one before the current).",
 )
-@click.option("--reason", default="", help="Why (recorded).")
-@click.option("--actor", default=lambda: os.environ.get("ROLLOUT_ACTOR") or "operator")
+@reason_option()
+@actor_option
 @_cluster_options
 def rollback_command(
     to_artifact: str | None,
-    reason: str,
+    reason: str | None,
     actor: str,
     address: str | None,
     db_url: str | None,
     dashboard: str | None,
+    timeout_s: float,
     as_json: bool,
 ) -> None:
     """Fast path: weights to stable first, no analysis. With no rollout in progress, point
     stable back at an earlier artifact at a higher revision."""
-    handle = _controller(address, db_url, dashboard)
-    view = ControllerStatus.model_validate(_call(handle.status))
+    handle = _running_controller(address, timeout_s)
+    view = ControllerStatus.model_validate(_call(handle.status, timeout_s=timeout_s))
     if view.rollout and not view.finished:
         if to_artifact is not None and to_artifact != view.baseline:
             raise ConfigError(
                 f"--to: a rollout is in progress; its rollback returns to {view.baseline}"
             )
-        _show(_call(handle.command, "rollback", reason), as_json, CommandAccepted)
+        answer = _call(handle.command, "rollback", reason or "", actor, timeout_s=timeout_s)
+        _show(answer, as_json, CommandAccepted)
         return
-    answer = _call(handle.rollback_stable, to_artifact, actor, reason or "rollback")
+    answer = _call(
+        handle.rollback_stable, to_artifact, actor, reason or "rollback", timeout_s=timeout_s
+    )
     target = PublishedTarget.model_validate(answer)
     emit({"stable": target.artifact_id, "revision": target.revision})
 
@@ -429,13 +506,13 @@ def rollback_command(
 @click.option("--db", "db_url", envvar="ROLLOUT_DB", default=None)
 @click.option("--model", default="ranker", show_default=True)
 @click.option("--env", "env", default="default", show_default=True)
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--limit", type=LIST_LIMIT, default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def history_command(db_url: str | None, model: str, env: str, limit: int, as_json: bool) -> None:
     """Past and current rollouts, newest first, from the registry."""
     from app.registry import default_registry_url, open_registry
 
-    with open_registry(db_url or default_registry_url()) as registry:
+    with open_registry(db_url or default_registry_url(), access="read") as registry:
         records = registry.list_rollouts(model, env, limit=limit)
     if as_json:
         for record in records:
@@ -446,11 +523,14 @@ def history_command(db_url: str | None, model: str, env: str, limit: int, as_jso
     for r in records:
         events = (r.state or {}).get("events") or []
         click.echo(
-            f"{r.created_at:%Y-%m-%d %H:%M:%S} {r.id}: {r.candidate_artifact_id} over "
-            f"{r.baseline_artifact_id}: {r.phase}" + (f" ({r.reason})" if r.reason else "")
+            terminal_safe(
+                f"{r.created_at:%Y-%m-%d %H:%M:%S} {r.id}: {r.candidate_artifact_id} over "
+                f"{r.baseline_artifact_id}: {r.phase}" + (f" ({r.reason})" if r.reason else "")
+            )
         )
         for event in events[-3:]:
-            click.echo(f"    {event['event']}: {event['message']}")
+            at = datetime.fromtimestamp(float(event.get("at") or 0), UTC)
+            click.echo(terminal_safe(f"    {at:%H:%M:%S} {event['event']}: {event['message']}"))
 
 
 def _register_subcommands() -> None:
@@ -468,6 +548,11 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+def _say(line: str) -> None:
+    """One line on stderr, safe for a terminal (an error may quote a file name or a URI)."""
+    click.echo(terminal_safe(" ".join(line.split())), err=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Without standalone mode click returns what a command passed to ``ctx.exit`` (the
@@ -482,23 +567,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         exc.show()
         return EXIT_USAGE
     except ArtifactRejected as exc:
-        click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
+        _say(f"rejected: {exc.category}: {exc.detail}")
         return EXIT_REJECTED
     except RolloutSystemError as exc:
         # Raised inside the controller actor, it arrives as Ray's RayTaskError subclass of
         # the same type, whose str() carries the remote traceback: show the cause's message.
         cause = getattr(exc, "cause", None)
         message = str(cause) if isinstance(cause, RolloutSystemError) else str(exc)
-        click.echo(error_line(exc.category, message), err=True)
+        _say(error_line(exc.category, message))
         return exit_code_for(exc)
     except OSError as exc:
-        click.echo(f"error[io]: {exc}", err=True)
+        _say(f"error[io]: {exc}")
         return EXIT_UNEXPECTED
     except ValidationError as exc:
         # An answer of the controller that this CLI's contracts do not read (another version).
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        click.echo(f"error[contract]: {exc.title}.{where}: {first.get('msg')}", err=True)
+        _say(f"error[contract]: {exc.title}.{where}: {first.get('msg')}")
+        return EXIT_UNEXPECTED
+    except Exception as exc:
+        # A bug, or a foreign error no boundary translated: still one line, never a
+        # traceback (the type names it for a bug report).
+        _say(f"error[internal]: {type(exc).__name__}: {str(exc)[:500]}")
         return EXIT_UNEXPECTED
     return code if isinstance(code, int) else EXIT_OK
 

@@ -233,12 +233,17 @@ class RolloutEngine:
             self._event("created", f"rollout of {candidate_artifact_id} by {actor}")
             return self.rollout_summary()
 
-    def command(self, command: OperatorCommand) -> CommandAccepted:
+    def command(
+        self, command: OperatorCommand, *, actor: str = "operator", reason: str = ""
+    ) -> CommandAccepted:
+        """Queue an operator command for the next tick, and record who gave it and why in the
+        rollout's events (persisted with the tick's state), whatever the command keeps."""
         with self._lock:
             if self._live is None or not self._live.state.is_active:
                 raise InvalidState(f"no rollout of {self.settings.model} is in progress")
             self._commands.append(command)
             name = type(command).__name__.lower()
+            self._event("operator", f"{name} by {actor}" + (f": {reason}" if reason else ""))
             return CommandAccepted(queued=name, **fields_of(self.rollout_summary()))
 
     def rollback_stable(self, artifact_id: str | None, *, actor: str, reason: str) -> TargetRecord:

@@ -20,6 +20,7 @@ from app.errors import (
     RevisionConflict,
     RolloutSystemError,
 )
+from rollout.cluster import ClusterUnreachable
 from rollout.serve_control import ServeUnreachable
 
 EXIT_OK: Final = 0
@@ -29,7 +30,19 @@ EXIT_REJECTED: Final = 3  # the artifact was refused by verification
 EXIT_CONFLICT: Final = 4  # a compare-and-set lost: nothing changed, re-read and decide
 EXIT_NOT_FOUND: Final = 5  # not found, or not in a state that allows it
 EXIT_CONFIG: Final = 6  # a configuration the command cannot use
-EXIT_UNAVAILABLE: Final = 7  # the registry, Serve or the artifact store is out of reach: retry
+EXIT_UNAVAILABLE: Final = 7  # the registry, the cluster, Serve or the artifact store is out of
+# reach, or did not answer within --timeout: retry
+# `rollout status --watch` ends with the outcome of the rollout it watched (CI gates on it):
+# 0 succeeded (or no rollout), and one code per unsuccessful end.
+EXIT_ROLLOUT_FAILED: Final = 8
+EXIT_ROLLOUT_ROLLED_BACK: Final = 9
+EXIT_ROLLOUT_ABORTED: Final = 10
+
+_EXIT_FOR_PHASE: Final = {
+    "failed": EXIT_ROLLOUT_FAILED,
+    "rolled_back": EXIT_ROLLOUT_ROLLED_BACK,
+    "aborted": EXIT_ROLLOUT_ABORTED,
+}
 
 
 def exit_code_for(error: RolloutSystemError) -> int:
@@ -39,11 +52,18 @@ def exit_code_for(error: RolloutSystemError) -> int:
         return EXIT_CONFLICT
     if isinstance(error, ConfigError):
         return EXIT_CONFIG
-    if isinstance(error, RegistryUnavailable | ServeUnreachable | FetchFailed):
+    if isinstance(error, RegistryUnavailable | ServeUnreachable | FetchFailed | ClusterUnreachable):
         return EXIT_UNAVAILABLE
     if isinstance(error, NotFound | InvalidState | RegistryError):
         return EXIT_NOT_FOUND
     return EXIT_UNEXPECTED
+
+
+def exit_code_for_phase(phase: object) -> int:
+    """The exit code of `rollout status --watch` for the phase the rollout ended in (a
+    ``RolloutPhase`` or its value; None: no rollout)."""
+    value = getattr(phase, "value", phase)
+    return _EXIT_FOR_PHASE.get(str(value), EXIT_OK)
 
 
 def error_line(category: str, message: str) -> str:

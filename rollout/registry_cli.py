@@ -1,24 +1,19 @@
 """``rollout registry ...``: the model registry from the command line.
 
-Tables for people by default, ``--json`` for scripts. Exit codes:
-
-    0  ok
-    1  other registry failure (database unavailable, schema too new, inconsistency)
-    2  usage error (click)
-    3  the manifest was rejected (``rejected: CATEGORY: detail`` on stderr)
-    4  compare-and-set conflict: someone published first; the current revision is printed
-    5  not found, invalid state (e.g. artifact not ready) or digest mismatch
+Tables for people by default, ``--json`` for scripts. Exit codes: the one table of
+``rollout/exit_codes.py`` (3 rejected, 4 conflict, 5 not found / invalid state / schema to
+migrate, 6 configuration, 7 out of reach). Only ``init`` (creates) and ``migrate`` change a
+database's schema; the other commands need it there and current, and reads open it read-only.
 
 Errors print ``error[<category>]: <message>`` on stderr (and, with ``--json``, an object with
-``error``, ``message`` and, for a conflict, ``current`` on stdout), never a traceback.
+``error``, ``message`` and, for a conflict, ``current`` on stdout), never a traceback, with
+the registry URL's secrets masked and control characters escaped. Manifest URIs are shown
+redacted (a presigned URL's signature is a credential).
 """
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,20 +31,10 @@ from app.registry import (
     TargetRecord,
     open_registry,
 )
+from app.registry.base import ArtifactAuditEntry, RegistryAccess
+from app.safe_text import redact_in, redact_uri, terminal_safe
+from rollout.cli_options import LIST_LIMIT, REVISION, actor_option, check_reason, reason_option
 from rollout.exit_codes import EXIT_REJECTED, error_line, exit_code_for
-
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@]+):[^@/]*@")
-
-
-def redact_url(url: str) -> str:
-    return _PASSWORD_IN_URL.sub(r"\1:***@", url)
-
-
-def _default_actor() -> str:
-    try:
-        return os.environ.get("ROLLOUT_ACTOR") or getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
 
 
 @dataclass
@@ -60,18 +45,30 @@ class _Session:
     env: str
     as_json: bool
     _registry: Registry | None = field(default=None, repr=False)
+    # URIs whose secrets an error of this command must not show (the registry URL, a
+    # manifest URI given to it).
+    secret_uris: list[str] = field(default_factory=list)
 
-    @property
-    def registry(self) -> Registry:
-        # Opened on first use, so `--help` never touches a database.
+    def open(self, access: RegistryAccess) -> Registry:
+        """The registry, opened on first use (so `--help` never touches a database) with the
+        access the command needs: only `init` and `migrate` create or change a schema."""
         if self._registry is None:
-            self._registry = open_registry(self.db_url)
+            self._registry = open_registry(self.db_url, access=access)
             self.ctx.call_on_close(self._registry.close)
         return self._registry
 
+    @property
+    def reader(self) -> Registry:
+        return self.open("read")
+
+    @property
+    def writer(self) -> Registry:
+        return self.open("write")
+
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    # Values come from manifests and users: escaped, so none can drive the terminal.
+    cells = [[("-" if v is None else terminal_safe(str(v))) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     click.echo("  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in cells:
@@ -84,13 +81,18 @@ def _print_json(payload: Any) -> None:
     click.echo(json.dumps(payload, indent=2, sort_keys=True))
 
 
+def _redacted(record: dict[str, Any]) -> dict[str, Any]:
+    uri = record.get("manifest_uri")
+    return {**record, "manifest_uri": redact_uri(uri)} if isinstance(uri, str) else record
+
+
 def _ts(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> None:
     if session.as_json:
-        _print_json([r.to_dict() for r in records])
+        _print_json([_redacted(r.to_dict()) for r in records])
         return
     _print_table(
         ["model", "artifact", "state", "manifest_sha256", "feature_schema", "created"],
@@ -104,7 +106,7 @@ def _show_artifacts(session: _Session, records: Sequence[ArtifactRecord]) -> Non
 
 def _show_targets(session: _Session, targets: Sequence[TargetRecord]) -> None:
     if session.as_json:
-        _print_json([t.to_dict() for t in targets])
+        _print_json([_redacted(t.to_dict()) for t in targets])
         return
     _print_table(
         ["cohort", "revision", "artifact", "manifest_sha256", "updated"],
@@ -136,21 +138,30 @@ class _RegistryGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ArtifactRejected as exc:
-            click.echo(f"rejected: {exc.category}: {exc.detail}", err=True)
+            click.echo(_shown(ctx, f"rejected: {exc.category}: {exc.detail}"), err=True)
             _json_error(ctx, exc)
             ctx.exit(EXIT_REJECTED)
         except RolloutSystemError as exc:
             # A RevisionConflict's message names the current revision already.
-            click.echo(error_line(exc.category, str(exc)), err=True)
+            click.echo(_shown(ctx, error_line(exc.category, str(exc))), err=True)
             _json_error(ctx, exc)
             ctx.exit(exit_code_for(exc))
+
+
+def _shown(ctx: click.Context, text: str) -> str:
+    """An error as the terminal may show it: the registry URL's secrets masked (a driver may
+    quote them), controls escaped (a file name may hold escapes), one line."""
+    session = ctx.find_object(_Session)
+    if session is not None:
+        text = redact_in(text, session.db_url, *session.secret_uris)
+    return terminal_safe(" ".join(text.split()))
 
 
 def _json_error(ctx: click.Context, exc: RolloutSystemError) -> None:
     session = ctx.find_object(_Session)
     if session is None or not session.as_json:
         return
-    payload: dict[str, Any] = {"error": exc.category, "message": str(exc)}
+    payload: dict[str, Any] = {"error": exc.category, "message": _shown(ctx, str(exc))}
     if isinstance(exc, RevisionConflict):
         current = exc.current
         payload["current"] = current.to_dict() if hasattr(current, "to_dict") else None
@@ -161,14 +172,6 @@ def _check_sha256(_ctx: click.Context, _param: click.Parameter, value: str) -> s
     if not is_sha256_hex(value.strip().lower()):
         raise click.BadParameter("must be 64 hex characters (the manifest's SHA-256)")
     return value.strip().lower()
-
-
-_actor_option = click.option(
-    "--actor",
-    default=_default_actor,
-    show_default="$ROLLOUT_ACTOR or the login name",
-    help="Who does this (recorded).",
-)
 
 
 @click.group("registry", cls=_RegistryGroup)
@@ -189,15 +192,27 @@ def registry_group(ctx: click.Context, db_url: str, model: str, env: str, as_jso
     ctx.obj = _Session(ctx=ctx, db_url=db_url, model=model, env=env, as_json=as_json)
 
 
+def _show_schema(session: _Session, registry: Registry) -> None:
+    shown = terminal_safe(redact_uri(session.db_url))
+    if session.as_json:
+        _print_json({"db": shown, "schema_version": registry.schema_version})
+    else:
+        click.echo(f"registry {shown} at schema version {registry.schema_version}")
+
+
 @registry_group.command("init")
 @click.pass_obj
 def init_command(session: _Session) -> None:
-    """Create or migrate the registry schema (idempotent)."""
-    version = session.registry.schema_version
-    if session.as_json:
-        _print_json({"db": redact_url(session.db_url), "schema_version": version})
-    else:
-        click.echo(f"registry {redact_url(session.db_url)} at schema version {version}")
+    """Create the registry (an SQLite file and its directory if absent) and migrate its
+    schema (idempotent)."""
+    _show_schema(session, session.open("create"))
+
+
+@registry_group.command("migrate")
+@click.pass_obj
+def migrate_command(session: _Session) -> None:
+    """Migrate an existing registry to this code's schema (idempotent); creates nothing."""
+    _show_schema(session, session.open("migrate"))
 
 
 @registry_group.command("register")
@@ -205,41 +220,48 @@ def init_command(session: _Session) -> None:
 @click.option("--sha256", "sha256", required=True, callback=_check_sha256,
               help="Pinned SHA-256 of the manifest bytes.")  # fmt: skip
 @click.option("--ready", is_flag=True, help="Register as ready (skip the approval step).")
+@actor_option
 @click.pass_obj
-def register_command(session: _Session, manifest_uri: str, sha256: str, ready: bool) -> None:
+def register_command(
+    session: _Session, manifest_uri: str, sha256: str, ready: bool, actor: str
+) -> None:
     """Register the artifact whose manifest is at MANIFEST_URI.
 
     Model and artifact id come from the manifest (not from --model). Registering the same
-    artifact with the same digest again is a no-op."""
-    record = session.registry.register_artifact(
-        manifest_uri, sha256, state="ready" if ready else "pending"
+    artifact with the same digest again is a no-op. What this service could never serve
+    (runtime, feature schema, precision, architecture) is refused (exit 3)."""
+    from app.loader import check_compatibility  # torch: only for the command that needs it
+
+    session.secret_uris.append(manifest_uri)
+    record = session.writer.register_artifact(
+        manifest_uri,
+        sha256,
+        state="ready" if ready else "pending",
+        accept=check_compatibility,
+        actor=actor,
     )
     _show_artifacts(session, [record])
 
 
 @registry_group.command("approve")
 @click.argument("artifact_id")
-@click.option("--reason", default=None, help="Why (recorded).")
-@_actor_option
+@reason_option()
+@actor_option
 @click.pass_obj
 def approve_command(session: _Session, artifact_id: str, reason: str | None, actor: str) -> None:
     """Mark a pending artifact ready to publish."""
-    record = session.registry.approve_artifact(
-        session.model, artifact_id, actor=actor, reason=reason
-    )
+    record = session.writer.approve_artifact(session.model, artifact_id, actor=actor, reason=reason)
     _show_artifacts(session, [record])
 
 
 @registry_group.command("reject")
 @click.argument("artifact_id")
-@click.option("--reason", required=True, help="Why (recorded).")
-@_actor_option
+@reason_option(required=True)
+@actor_option
 @click.pass_obj
 def reject_command(session: _Session, artifact_id: str, reason: str, actor: str) -> None:
     """Mark an artifact rejected: it can never be published."""
-    record = session.registry.reject_artifact(
-        session.model, artifact_id, actor=actor, reason=reason
-    )
+    record = session.writer.reject_artifact(session.model, artifact_id, actor=actor, reason=reason)
     _show_artifacts(session, [record])
 
 
@@ -247,24 +269,29 @@ def reject_command(session: _Session, artifact_id: str, reason: str, actor: str)
 @click.pass_obj
 def artifacts_command(session: _Session) -> None:
     """List the model's artifacts."""
-    _show_artifacts(session, session.registry.list_artifacts(session.model))
+    _show_artifacts(session, session.reader.list_artifacts(session.model))
 
 
 @registry_group.command("targets")
 @click.pass_obj
 def targets_command(session: _Session) -> None:
     """Show what each cohort should serve, with its revision."""
-    _show_targets(session, session.registry.list_targets(session.model, session.env))
+    _show_targets(session, session.reader.list_targets(session.model, session.env))
 
 
 @registry_group.command("publish")
 @click.argument("cohort", type=click.Choice(COHORTS))
 @click.argument("artifact_id")
-@click.option("--expected-revision", type=click.IntRange(min=0), required=True,
+@click.option("--expected-revision", type=REVISION, required=True,
               help="The revision you read; 0 creates the cohort's first target.")  # fmt: skip
-@click.option("--reason", required=True, help="Why (recorded in the audit log).")
-@click.option("--approval", default=None, help="Approval reference (ticket, reviewer).")
-@_actor_option
+@reason_option(required=True, help_text="Why (recorded in the audit log).")
+@click.option(
+    "--approval",
+    default=None,
+    callback=check_reason,
+    help="Approval reference (ticket, reviewer).",
+)
+@actor_option
 @click.pass_obj
 def publish_command(
     session: _Session,
@@ -278,7 +305,7 @@ def publish_command(
     """Point COHORT at ARTIFACT_ID, if its revision is still --expected-revision.
 
     On a conflict (exit 4) nothing changed: re-read `targets` and decide again."""
-    target = session.registry.publish(
+    target = session.writer.publish(
         session.model,
         session.env,
         cohort,
@@ -293,9 +320,36 @@ def publish_command(
 
 @registry_group.command("history")
 @click.option("--cohort", type=click.Choice(COHORTS), default=None, help="Only this cohort.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--artifacts",
+    "artifact_decisions",
+    is_flag=True,
+    help="The artifacts' audit log instead: registrations, approvals, rejections.",
+)
+@click.option("--limit", type=LIST_LIMIT, default=50, show_default=True)
 @click.pass_obj
-def history_command(session: _Session, cohort: str | None, limit: int) -> None:
-    """The target audit log, newest first."""
-    entries = session.registry.history(session.model, session.env, cohort=cohort, limit=limit)
+def history_command(
+    session: _Session, cohort: str | None, artifact_decisions: bool, limit: int
+) -> None:
+    """The audit log, newest first: target publishes (default) or artifact decisions."""
+    if artifact_decisions:
+        if cohort is not None:
+            raise click.BadParameter("not with --artifacts", param_hint="--cohort")
+        decisions = session.reader.artifact_history(session.model, limit=limit)
+        _show_artifact_history(session, decisions)
+        return
+    entries = session.reader.history(session.model, session.env, cohort=cohort, limit=limit)
     _show_history(session, entries)
+
+
+def _show_artifact_history(session: _Session, entries: Sequence[ArtifactAuditEntry]) -> None:
+    if session.as_json:
+        _print_json([e.to_dict() for e in entries])
+        return
+    _print_table(
+        ["at", "artifact", "action", "from", "to", "actor", "reason"],
+        [
+            (_ts(e.at), e.artifact_id, e.action, e.old_state, e.new_state, e.actor, e.reason)
+            for e in entries
+        ],
+    )

@@ -29,6 +29,7 @@ from app.contracts import (
     WindowView,
     clip_text,
 )
+from app.safe_text import terminal_safe
 from rollout.analysis import CohortStats, WindowStats
 from rollout.state import RolloutState
 
@@ -150,8 +151,26 @@ def _pct(bp: int | None) -> str:
     return "-" if bp is None else f"{bp / 100:g}%"
 
 
-def render_status(view: RolloutSummary) -> str:
-    """The human view of ``rollout status`` (and of a command's answer: a summary alone)."""
+def _clock(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%H:%M:%S")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns as wide as their widest cell (ids of any length stay aligned); the last
+    column is left ragged."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    widths[-1] = 0
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+
+
+def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
+    """The human view of ``rollout status`` (and of a command's answer: a summary alone).
+
+    Every value that came from outside (ids, reasons, error texts) goes through
+    ``terminal_safe``: a name with terminal escapes must not rewrite the screen."""
     lines = []
     if view.rollout:
         step = view.step if view.step is not None else -1
@@ -169,9 +188,9 @@ def render_status(view: RolloutSummary) -> str:
             + (f"   reason: {view.reason}" if view.reason else "")
         )
         if view.held is not None:
-            since = datetime.fromtimestamp(view.held.since, UTC).strftime("%H:%M:%S")
             lines.append(
-                f"HELD since {since} UTC (deadlines paused, serving goes on): {view.held.reason}"
+                f"HELD since {_clock(view.held.since)} UTC (deadlines paused, serving goes on): "
+                f"{view.held.reason}"
             )
     else:
         lines.append("no rollout in progress")
@@ -197,17 +216,26 @@ def render_status(view: RolloutSummary) -> str:
                 f"target {target.cohort}: {target.artifact_id} (revision {target.revision})"
             )
         if status.replicas:
-            lines.append(
-                f"{'replica':<12} {'cohort':<7} {'phase':<8} {'actual':<14} {'rev':>4}  error"
-            )
-            for r in status.replicas:
-                lines.append(
-                    f"{r.replica[:12]:<12} {r.cohort!s:<7} {r.phase!s:<8} "
-                    f"{r.actual!s:<14} {r.actual_revision!s:>4}  {r.error or ''}"
-                )
+            headers = ["replica", "cohort", "phase", "desired", "actual", "rev", "heartbeat"]
+            rows = [
+                [
+                    r.replica,
+                    str(r.cohort or "-"),
+                    str(r.phase),
+                    r.desired or "-",
+                    r.actual or "-",
+                    "-" if r.actual_revision is None else str(r.actual_revision),
+                    f"{r.age_s:.1f}s ago",
+                    r.error or "",
+                ]
+                for r in status.replicas
+            ]
+            lines.extend(_table([*headers, "error"], rows))
     for event in view.events[-5:]:
-        lines.append(f"  event {event.event}: {event.message}")
+        lines.append(f"  {_clock(event.at)} {event.event}: {event.message}")
     if status is not None:
         for alert in status.alerts:
             lines.append(f"  ALERT {alert}")
-    return "\n".join(lines)
+    if now is not None:
+        lines.append(f"(as of {_clock(now)} UTC)")
+    return "\n".join(terminal_safe(line) for line in lines)

@@ -27,11 +27,13 @@ from typing import Any, Final, Protocol, Self
 from app.artifact_store import fetch_manifest
 from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
-from app.manifest import is_sha256_hex
+from app.manifest import Manifest, is_sha256_hex
 from app.registry.base import (
+    ArtifactAuditEntry,
     ArtifactRecord,
     ArtifactState,
     AuditEntry,
+    RegistryAccess,
     ReplicaReportRecord,
     RolloutRecord,
     TargetRecord,
@@ -156,6 +158,52 @@ class SqlRegistry(ABC):
     def schema_version(self) -> int:
         return self._schema_version
 
+    @abstractmethod
+    def _has_schema_table(self, tx: Tx) -> bool:
+        """Whether the database has the ``schema_version`` table (read only)."""
+
+    def _open_schema(self, access: RegistryAccess) -> None:
+        """Migrate (``create``, ``migrate``) or only check that the schema is this code's."""
+        if access in ("create", "migrate"):
+            self._migrate()
+        else:
+            self._check_schema()
+
+    def _check_schema(self) -> None:
+        """Refuse a database whose schema is not the one this code knows; change nothing."""
+        known = migrations(self.dialect)
+        latest = known[-1][0] if known else 0
+        with self._transaction(write=False) as tx:
+            current = 0
+            if self._has_schema_table(tx):
+                row = tx.one("SELECT MAX(version) AS version FROM schema_version")
+                current = int(row["version"]) if row and row["version"] is not None else 0
+        if current == 0:
+            raise SchemaVersionError(
+                f"{self!r} holds no registry schema; create it with `rollout registry init`",
+                database_version=current,
+                known_version=latest,
+            )
+        if current < latest:
+            raise SchemaVersionError(
+                f"the registry database has schema version {current}, this code needs "
+                f"{latest}; run `rollout registry migrate` first",
+                database_version=current,
+                known_version=latest,
+            )
+        if current > latest:
+            raise self._too_new(current, latest)
+        self._schema_version = current
+
+    @staticmethod
+    def _too_new(current: int, latest: int) -> SchemaVersionError:
+        return SchemaVersionError(
+            f"the registry database has schema version {current}, newer than this code "
+            f"knows (up to {latest}); upgrade the code before using this database",
+            database_version=current,
+            known_version=latest,
+        )
+
     def _migrate(self) -> None:
         """Apply pending migrations under the migration lock; refuse a newer schema."""
         known = migrations(self.dialect)
@@ -166,12 +214,7 @@ class SqlRegistry(ABC):
             row = tx.one("SELECT MAX(version) AS version FROM schema_version")
             current = int(row["version"]) if row and row["version"] is not None else 0
             if current > latest:
-                raise SchemaVersionError(
-                    f"the registry database has schema version {current}, newer than this code "
-                    f"knows (up to {latest}); upgrade the code before using this database",
-                    database_version=current,
-                    known_version=latest,
-                )
+                raise self._too_new(current, latest)
             for version, name, sql in known:
                 if version > current:
                     tx.script(sql)
@@ -280,6 +323,8 @@ class SqlRegistry(ABC):
         *,
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
+        accept: Callable[[Manifest], None] | None = None,
+        actor: str = "unknown",
     ) -> ArtifactRecord:
         if state not in ("pending", "ready"):
             raise ValueError(f"an artifact is registered as pending or ready, not {state!r}")
@@ -288,6 +333,8 @@ class SqlRegistry(ABC):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
         # Outside the transaction: reading the manifest may be a network round trip.
         manifest = fetch_manifest(manifest_uri, digest)
+        if accept is not None:
+            accept(manifest)  # raises (ArtifactRejected) for what the caller cannot use
         merged = {**manifest.metadata, **(metadata or {})}
         now = self._ts_param(self._clock())
         with self._transaction(write=True) as tx:
@@ -312,7 +359,9 @@ class SqlRegistry(ABC):
                     now,
                 ),
             )
-            if row is None:
+            if row is not None:
+                self._audit_artifact(tx, row, "register", None, actor, None, now)
+            else:
                 row = self._artifact_row(tx, manifest.model, manifest.artifact_id)
                 if row["manifest_sha256"] != digest:
                     raise DigestMismatch(
@@ -349,19 +398,73 @@ class SqlRegistry(ABC):
             )
         return [self._artifact(r) for r in rows]
 
+    def _audit_artifact(
+        self,
+        tx: Tx,
+        row: Row,
+        action: str,
+        old_state: str | None,
+        actor: str,
+        reason: str | None,
+        at: Any,
+    ) -> None:
+        tx.run(
+            """
+            INSERT INTO artifact_audit (model, artifact_id, action, old_state, new_state,
+                actor, reason, at)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+            """,
+            (row["model"], row["artifact_id"], action, old_state, row["state"], actor, reason, at),
+        )
+
     def _set_artifact_state(
-        self, tx: Tx, model: str, artifact_id: str, state: str, actor: str, reason: str | None
+        self,
+        tx: Tx,
+        current: Row,
+        state: str,
+        action: str,
+        actor: str,
+        reason: str | None,
     ) -> Row:
+        now = self._ts_param(self._clock())
         row = tx.one(
             """
             UPDATE model_artifact SET state = ?, state_actor = ?, state_reason = ?, updated_at = ?
             WHERE model = ? AND artifact_id = ?
             RETURNING *
             """,
-            (state, actor, reason, self._ts_param(self._clock()), model, artifact_id),
+            (state, actor, reason, now, current["model"], current["artifact_id"]),
         )
         assert row is not None, "the row was locked by this transaction"
+        self._audit_artifact(tx, row, action, current["state"], actor, reason, now)
         return row
+
+    def artifact_history(
+        self, model: str, *, artifact_id: str | None = None, limit: int = 100
+    ) -> list[ArtifactAuditEntry]:
+        sql = "SELECT * FROM artifact_audit WHERE model = ?"
+        params: list[Any] = [model]
+        if artifact_id is not None:
+            sql += " AND artifact_id = ?"
+            params.append(artifact_id)
+        sql += " ORDER BY id DESC LIMIT ?"
+        params.append(limit)
+        with self._transaction(write=False) as tx:
+            rows = tx.all(sql, params)
+        return [
+            ArtifactAuditEntry(
+                id=int(r["id"]),
+                model=r["model"],
+                artifact_id=r["artifact_id"],
+                action=r["action"],
+                old_state=r["old_state"],
+                new_state=r["new_state"],
+                actor=r["actor"],
+                reason=r["reason"],
+                at=self._ts_value(r["at"]),
+            )
+            for r in rows
+        ]
 
     def approve_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
@@ -377,7 +480,7 @@ class SqlRegistry(ABC):
                     artifact_id=artifact_id,
                 )
             if row["state"] != "ready":
-                row = self._set_artifact_state(tx, model, artifact_id, "ready", actor, reason)
+                row = self._set_artifact_state(tx, row, "ready", "approve", actor, reason)
         return self._artifact(row)
 
     def reject_artifact(
@@ -401,7 +504,7 @@ class SqlRegistry(ABC):
                         model=model,
                         artifact_id=artifact_id,
                     )
-                row = self._set_artifact_state(tx, model, artifact_id, "rejected", actor, reason)
+                row = self._set_artifact_state(tx, row, "rejected", "reject", actor, reason)
         return self._artifact(row)
 
     # ---- targets -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ All timestamps are timezone-aware UTC datetimes on both backends.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import TracebackType
@@ -26,12 +26,19 @@ from pydantic import BaseModel, ValidationError
 
 from app.contracts import PublishedTarget, Target
 from app.errors import ConsistencyError
+from app.manifest import Manifest
 
 ArtifactState = Literal["pending", "ready", "rejected"]
 
 M = TypeVar("M", bound=BaseModel)
 
 ARTIFACT_STATES: Final[tuple[str, ...]] = ("pending", "ready", "rejected")
+
+# How a registry is opened: ``create`` makes the database (SQLite file) if absent and migrates
+# it; ``migrate`` migrates an existing one; ``write`` and ``read`` need an existing database
+# at this code's schema and change no schema (``read`` also writes no row).
+RegistryAccess = Literal["create", "migrate", "write", "read"]
+REGISTRY_ACCESS: Final[tuple[str, ...]] = ("create", "migrate", "write", "read")
 
 
 def utc_now() -> datetime:
@@ -121,6 +128,21 @@ class AuditEntry(_Record):
     actor: str
     reason: str
     approval: str | None
+    at: datetime
+
+
+@dataclass(frozen=True)
+class ArtifactAuditEntry(_Record):
+    """One decision about an artifact: its registration, approval or rejection."""
+
+    id: int
+    model: str
+    artifact_id: str
+    action: str  # register | approve | reject
+    old_state: str | None  # None for a registration
+    new_state: str
+    actor: str
+    reason: str | None
     at: datetime
 
 
@@ -215,8 +237,13 @@ class Registry(Protocol):
         *,
         state: ArtifactState = "pending",
         metadata: Mapping[str, Any] | None = None,
+        accept: Callable[[Manifest], None] | None = None,
+        actor: str = "unknown",
     ) -> ArtifactRecord:
         """Read + verify the manifest, then record it; model and artifact_id come from it.
+        ``accept(manifest)``, when given, is called before anything is written and refuses
+        (raises) what the caller cannot use, e.g. what the service could never serve.
+        A new registration is an audit row by ``actor`` (:meth:`artifact_history`).
 
         Same id and digest again: returns the existing record unchanged. Same id, another
         digest: DigestMismatch. A manifest that fails verification: ArtifactRejected."""
@@ -229,13 +256,22 @@ class Registry(Protocol):
     def approve_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str | None = None
     ) -> ArtifactRecord:
-        """pending -> ready (ready stays ready); rejected -> InvalidState."""
+        """pending -> ready (ready stays ready); rejected -> InvalidState. A change is an
+        audit row."""
         ...
 
     def reject_artifact(
         self, model: str, artifact_id: str, *, actor: str, reason: str
     ) -> ArtifactRecord:
-        """pending|ready -> rejected; InvalidState while any cohort targets it."""
+        """pending|ready -> rejected; InvalidState while any cohort targets it. A change is an
+        audit row."""
+        ...
+
+    def artifact_history(
+        self, model: str, *, artifact_id: str | None = None, limit: int = 100
+    ) -> list[ArtifactAuditEntry]:
+        """Registrations, approvals and rejections (each one that changed a state), newest
+        first."""
         ...
 
     # Targets

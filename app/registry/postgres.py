@@ -28,6 +28,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from app.errors import (
+    ConfigError,
     InvalidState,
     NotFound,
     RegistryError,
@@ -35,7 +36,8 @@ from app.errors import (
     RevisionConflict,
 )
 from app.registry._sql import Clock, Row, SqlRegistry, Tx
-from app.registry.base import utc_now
+from app.registry.base import RegistryAccess, utc_now
+from app.safe_text import redact_in, terminal_safe
 
 # Key of the advisory lock that serialises migrations (any fixed 64-bit number; "rollout").
 _MIGRATION_LOCK_KEY: Final = 0x726F6C6C6F7574
@@ -44,26 +46,42 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
 
 
 @contextmanager
-def _map_db_errors() -> Iterator[None]:
-    """Translate psycopg errors into the registry's typed errors (most specific first)."""
+def _map_db_errors(url: str) -> Iterator[None]:
+    """Translate psycopg errors into the registry's typed errors (most specific first).
+
+    The driver's message may quote the connection string, or part of a malformed password:
+    every message is redacted against ``url`` and made safe for a terminal."""
+
+    def said(exc: BaseException | str | None) -> str:
+        # One line (libpq's messages span several), secrets masked, controls escaped.
+        return terminal_safe(" ".join(redact_in(str(exc), url).split()))
+
     try:
         yield
     except errors.ForeignKeyViolation as exc:
-        raise NotFound(f"a referenced record does not exist ({exc.diag.message_detail})") from exc
+        raise NotFound(
+            f"a referenced record does not exist ({said(exc.diag.message_detail)})"
+        ) from None
     except errors.UniqueViolation as exc:
         raise RevisionConflict(
-            f"a concurrent writer created the same record ({exc.diag.message_detail})"
-        ) from exc
+            f"a concurrent writer created the same record ({said(exc.diag.message_detail)})"
+        ) from None
     except (errors.CheckViolation, errors.NotNullViolation) as exc:
-        raise InvalidState(f"the registry refused the values: {exc}") from exc
+        raise InvalidState(f"the registry refused the values: {said(exc)}") from None
     except (errors.SerializationFailure, errors.DeadlockDetected) as exc:
-        raise RevisionConflict(f"a concurrent transaction won: {exc}") from exc
+        raise RevisionConflict(f"a concurrent transaction won: {said(exc)}") from None
     except PoolTimeout as exc:
-        raise RegistryUnavailable(f"no registry database connection available: {exc}") from exc
+        raise RegistryUnavailable(
+            f"no registry database connection available: {said(exc)}"
+        ) from None
     except psycopg.OperationalError as exc:
-        raise RegistryUnavailable(f"registry database unavailable: {exc}") from exc
+        raise RegistryUnavailable(f"registry database unavailable: {said(exc)}") from None
+    except psycopg.ProgrammingError as exc:
+        # A connection string the driver cannot parse (e.g. a bad port): nothing reached a
+        # server; the message may hold part of the password, hence said().
+        raise ConfigError(f"registry URL refused by the driver: {said(exc)}") from None
     except psycopg.Error as exc:
-        raise RegistryError(f"registry database error: {exc}") from exc
+        raise RegistryError(f"registry database error: {said(exc)}") from None
 
 
 @lru_cache(maxsize=256)
@@ -90,8 +108,14 @@ class _PostgresTx:
         self._conn.execute(sql)
 
 
-def _configure(conn: psycopg.Connection[Any]) -> None:
+def _configure_writer(conn: psycopg.Connection[Any]) -> None:
     conn.isolation_level = IsolationLevel.READ_COMMITTED
+
+
+def _configure_reader(conn: psycopg.Connection[Any]) -> None:
+    # The server refuses every write of a read-only registry's transactions.
+    conn.isolation_level = IsolationLevel.READ_COMMITTED
+    conn.read_only = True
 
 
 class PostgresRegistry(SqlRegistry):
@@ -106,6 +130,7 @@ class PostgresRegistry(SqlRegistry):
         clock: Clock = utc_now,
         pool_size: int = DEFAULT_POOL_SIZE,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        access: RegistryAccess = "create",
     ) -> None:
         super().__init__(clock=clock)
         self._url = url
@@ -114,18 +139,18 @@ class PostgresRegistry(SqlRegistry):
             min_size=1,
             max_size=pool_size,
             kwargs={"row_factory": dict_row, "autocommit": False},
-            configure=_configure,
+            configure=_configure_reader if access == "read" else _configure_writer,
             timeout=connect_timeout_s,
             open=False,
             name="registry",
         )
         try:
-            with _map_db_errors():
+            with _map_db_errors(url):
                 # One direct connection first: an unreachable server fails at once with the
                 # driver's own reason, instead of the pool retrying until its timeout.
                 psycopg.connect(url, connect_timeout=max(1, round(connect_timeout_s))).close()
                 self._pool.open(wait=True, timeout=connect_timeout_s)
-            self._migrate()
+            self._open_schema(access)
         except BaseException:
             self.close()
             raise
@@ -137,8 +162,12 @@ class PostgresRegistry(SqlRegistry):
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[Tx]:
         # The pool commits when the block ends normally and rolls back on an exception.
-        with _map_db_errors(), self._pool.connection() as conn:
+        with _map_db_errors(self._url), self._pool.connection() as conn:
             yield _PostgresTx(conn)
+
+    def _has_schema_table(self, tx: Tx) -> bool:
+        row = tx.one("SELECT to_regclass('schema_version') IS NOT NULL AS found")
+        return bool(row and row["found"])
 
     def _lock_migrations(self, tx: Tx) -> None:
         tx.one("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK_KEY,))

@@ -31,7 +31,8 @@ from app.errors import (
     RevisionConflict,
 )
 from app.registry._sql import Clock, Row, SqlRegistry, Tx
-from app.registry.base import utc_now
+from app.registry.base import RegistryAccess, utc_now
+from app.safe_text import terminal_safe
 
 _TS_FORMAT: Final = "%Y-%m-%dT%H:%M:%S.%fZ"
 DEFAULT_BUSY_TIMEOUT_S: Final = 30.0
@@ -102,20 +103,29 @@ class SqliteRegistry(SqlRegistry):
         *,
         clock: Clock = utc_now,
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        access: RegistryAccess = "create",
     ) -> None:
         super().__init__(clock=clock)
         self.path = Path(path)
         self._busy_timeout_s = busy_timeout_s
+        self._access = access
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         self._closed = False
+        if access == "create":
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RegistryError(f"cannot create the directory of {self.path}: {exc}") from exc
+        elif not self.path.is_file():
+            # A mistyped path must not become a new, empty registry.
+            raise NotFound(
+                f"no registry database at {terminal_safe(str(self.path))}; "
+                "create one with `rollout registry init`"
+            )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise RegistryError(f"cannot create the directory of {self.path}: {exc}") from exc
-        try:
-            self._migrate()
+            self._open_schema(access)
         except BaseException:
             self.close()
             raise
@@ -128,17 +138,22 @@ class SqliteRegistry(SqlRegistry):
             raise RegistryError(f"{self!r} is closed")
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
+            # Only ``create`` may make the file: the others open it "rw" or "ro", which
+            # fails on a missing file instead of creating it.
+            mode = {"create": "rwc", "read": "ro"}.get(self._access, "rw")
             with _map_db_errors():
                 conn = sqlite3.connect(
-                    self.path,
+                    f"{self.path.absolute().as_uri()}?mode={mode}",
+                    uri=True,
                     timeout=self._busy_timeout_s,
                     isolation_level=None,  # we issue BEGIN/COMMIT ourselves
                     check_same_thread=False,  # only so that close() may close it
                 )
                 conn.row_factory = sqlite3.Row
                 conn.execute("PRAGMA foreign_keys = ON")
-                self._enable_wal(conn)
-                conn.execute("PRAGMA synchronous = NORMAL")
+                if self._access != "read":
+                    self._enable_wal(conn)  # a file write; a reader finds it done
+                    conn.execute("PRAGMA synchronous = NORMAL")
             self._local.conn = conn
             with self._connections_lock:
                 self._connections.append(conn)
@@ -175,6 +190,11 @@ class SqliteRegistry(SqlRegistry):
                     conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+
+    def _has_schema_table(self, tx: Tx) -> bool:
+        return (
+            tx.one("SELECT 1 AS found FROM sqlite_master WHERE name = 'schema_version'") is not None
+        )
 
     def _lock_migrations(self, tx: Tx) -> None:
         """Nothing to add: the migration runs in a BEGIN IMMEDIATE transaction, which already

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from rollout.local_cluster import free_port
-from tests.integration.manifests import ManifestRef, write_manifest
+from tests.integration.manifests import ManifestRef
+from tests.integration.servable_manifests import write_servable_manifest
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 
@@ -26,7 +27,7 @@ def rollout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def registry(tmp_path: Path) -> tuple[str, ManifestRef]:
     """An SQLite registry with ranker-v41 registered and approved."""
     db = f"sqlite:///{tmp_path / 'registry.db'}"
-    ref = write_manifest(tmp_path / "ranker-v41", "ranker-v41")
+    ref = write_servable_manifest(tmp_path / "ranker-v41", "ranker-v41")
     for args in (
         ("init",),
         ("register", ref.uri, "--sha256", ref.sha256),
@@ -90,7 +91,7 @@ def test_re_registering_an_id_with_another_digest_exits_5(
     registry: tuple[str, ManifestRef], tmp_path: Path
 ) -> None:
     db, _ = registry
-    other = write_manifest(tmp_path / "again", "ranker-v41", weights_digest="cd" * 32)
+    other = write_servable_manifest(tmp_path / "again", "ranker-v41", weights_digest="cd" * 32)
     done = rollout(
         "registry", "--db", db, "register", other.uri, "--sha256", other.sha256, cwd=tmp_path
     )

@@ -5,13 +5,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
 from rollout.registry_cli import registry_group
 from tests.integration.backends import Backend
-from tests.integration.manifests import MakeManifest
+from tests.integration.manifests import MakeManifest, ManifestRef
+from tests.integration.servable_manifests import write_servable_manifest
+
+
+@pytest.fixture
+def make_manifest(tmp_path: Path) -> MakeManifest:
+    """Manifests the service could serve: the CLI refuses to register anything else."""
+    counter = iter(range(1_000_000))
+
+    def make(artifact_id: str, **kwargs: Any) -> ManifestRef:
+        directory = tmp_path / "manifests" / f"{artifact_id}-{next(counter)}"
+        return write_servable_manifest(directory, artifact_id, **kwargs)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def initialised(request: pytest.FixtureRequest) -> None:
+    """The registry exists (`init`): no other command creates one."""
+    if "backend" in request.fixturenames:
+        backend: Backend = request.getfixturevalue("backend")
+        assert run(backend.url, "init").exit_code == 0
 
 
 def run(url: str, *args: str) -> Result:

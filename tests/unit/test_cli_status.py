@@ -134,13 +134,14 @@ def test_everything_the_status_shows() -> None:
         "  verdict step 1: fail: canary p99 300.0 ms; x",
         "target stable: ranker-v41 (revision 1)",
         "target canary: ranker-v42 (revision 2)",
-        "replica      cohort  phase    actual          rev  error",
-        "canary-abcde canary  ready    ranker-v42        2  ",
-        "s1           stable  failed   ranker-v41        1  load: shape mismatch",
-        "u1           None    idle     None           None  ",
-        "  event created: rollout of ranker-v42",
-        "  event started: rolling out",
-        "  event weights: canary 20%",
+        "replica                cohort  phase   desired     actual      rev  heartbeat  error",
+        "canary-abcdefghijklmn  canary  ready   ranker-v42  ranker-v42  2    0.4s ago",
+        "s1                     stable  failed  ranker-v41  ranker-v41  1    0.4s ago   "
+        "load: shape mismatch",
+        "u1                     -       idle    -           -           -    0.4s ago",
+        "  00:00:01 created: rollout of ranker-v42",
+        "  00:00:02 started: rolling out",
+        "  00:00:03 weights: canary 20%",
         "  ALERT warning: held",
     ]
     # A command's answer is the summary alone: no window, targets, replicas or alerts.
@@ -154,7 +155,45 @@ def test_everything_the_status_shows() -> None:
         "rollout ranker-v42-abc123: paused step 1/3 (20.0%)  candidate ranker-v42 over ranker-v41",
         "weights: stable 80% canary 20%   failed checks 1   gate step:1",
         "  verdict step 1: fail: canary p99 300.0 ms; x",
-        "  event created: rollout of ranker-v42",
-        "  event started: rolling out",
-        "  event weights: canary 20%",
+        "  00:00:01 created: rollout of ranker-v42",
+        "  00:00:02 started: rolling out",
+        "  00:00:03 weights: canary 20%",
     ]
+
+
+def test_long_ids_keep_the_columns_aligned_and_escapes_are_shown_not_run() -> None:
+    long_id = "stable-" + "x" * 60
+    answer = view(
+        replicas=[
+            replica(long_id, "stable", "ready", "ranker-v41", 1),
+            replica("s2", "stable", "ready", "ranker-v41\x1b[2J", 1),
+        ],
+        events=[{"key": None, "event": "held", "message": "a\x1b]0;title\x07b", "at": 61.0}],
+    )
+    lines = render(answer).splitlines()
+    table = [line for line in lines if line.startswith(("replica", "stable-", "s2"))]
+    assert len(table) == 3
+    # Every row's cohort column starts where the header's does.
+    header = table[0]
+    assert {row.index("stable", 3) for row in table[1:]} == {header.index("cohort")}, table
+    assert "\x1b" not in "".join(lines)
+    assert "ranker-v41\\x1b[2J" in table[2]
+    assert "  00:01:01 held: a\\x1b]0;title\\x07b" in lines
+
+
+def test_controller_settings_are_shown_with_their_credentials_masked(capsys: Any) -> None:
+    from rollout.cli import _show_ping
+
+    _show_ping(
+        {
+            "registry_url": "postgresql://ranker:hunter2@db:5432/registry",
+            "dashboard_url": "https://ops:t0ken-secret@head:8265",
+            "prometheus_url": "https://prom/api?token=abc123xyz",
+            "pid": 7,
+            "ticks": 3,
+            "repaired": None,
+        }
+    )
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and "t0ken-secret" not in out and "abc123xyz" not in out
+    assert "postgresql://ranker:***@db:5432/registry" in out

@@ -127,6 +127,18 @@ def test_size_digest_missing_extra(capsys, tmp_path):
     assert_rejected(verify(capsys, tmp_path, d), "extra")
 
 
+def signed_ranker(root: Path, sign_key: Path):
+    """A servable artifact (verify refuses what the service cannot serve), signed."""
+    from app.demo_artifacts import write_ranker_source
+    from app.packing import pack_artifact
+
+    write_ranker_source(root / "src-signed", seed=1)
+    return pack_artifact(
+        root / "src-signed", root / "signed", model="ranker", artifact_id="ranker-signed",
+        feature_schema="ranker-features-v3", sign_key=sign_key,
+    )  # fmt: skip
+
+
 def test_limits_and_signature(capsys, tmp_path):
     # 300 files: over the cache's default limit of 256 files per artifact.
     many = make_file_artifact(tmp_path, {f"f{i}.bin": b"x" for i in range(300)}, "many")
@@ -137,7 +149,7 @@ def test_limits_and_signature(capsys, tmp_path):
     assert_rejected(
         verify(capsys, tmp_path, unsigned, "--trust-key", str(tmp_path / "k.pub")), "signature"
     )
-    signed = make_file_artifact(tmp_path, {"w.bin": b"abc"}, "signed", sign_key=tmp_path / "k.pem")
+    signed = signed_ranker(tmp_path, tmp_path / "k.pem")
     code, _, err = verify(capsys, tmp_path, signed, "--trust-key", str(tmp_path / "k.pub"))
     assert code == 0, err
 

@@ -278,7 +278,7 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
         "verdicts", "events",
     }  # fmt: skip
     assert set(started) == summary_keys
-    accepted = engine.command(Abort(reason="test"))
+    accepted = engine.command(Abort(reason="test"), actor="dave", reason="test")
     assert isinstance(accepted, CommandAccepted)
     assert set(wire(accepted)) == summary_keys | {"queued"} and accepted.queued == "abort"
     world.run()
@@ -295,6 +295,10 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     # The events persisted with the state are the same dicts.
     record = registry.list_rollouts("ranker", "default", limit=1)[0]
     assert record.state["events"][-len(status["events"]) :] == status["events"]
+    # Who gave the command and why is one of them.
+    assert {"event": "operator", "message": "abort by dave: test"} in [
+        {"event": e["event"], "message": e["message"]} for e in record.state["events"]
+    ]
 
 
 class CanaryReadFailsOnce:

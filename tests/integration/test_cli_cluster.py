@@ -1,0 +1,156 @@
+"""Commands that talk to the cluster, as the installed binary: they never create the
+controller (only `rollout controller start` and `rollout start` do), and they end with one
+line within `--timeout` when no cluster answers. Each subprocess has its own timeout as a
+hang guard: a hang fails the test instead of stalling the suite.
+
+The cluster is a real local Ray (no Serve), started by a child process of this test and
+stopped with it; run under `flock /tmp/e2e.lock`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout.cluster import CONTROLLER_MISSING
+from rollout.local_cluster import free_port
+
+ROLLOUT = str(Path(sys.executable).with_name("rollout"))
+HANG_GUARD_S = 90
+# A new local Ray cluster turns token auth on (Ray 2.60); a client attaching by address
+# needs the mode said (the token is the user's ~/.ray/auth_token).
+TOKEN_AUTH = {"RAY_AUTH_MODE": "token"}
+
+# Starts a Ray node of its own on a free GCS port, says it is up, and stops it (ray.shutdown
+# at exit) when its stdin closes.
+CLUSTER_SCRIPT = """
+import logging, os, sys
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, namespace="rollout",
+         log_to_driver=False, logging_level=logging.WARNING)
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+CONTROLLER_COMMANDS = (
+    ("status",),
+    ("status", "--watch"),
+    ("pause", "--reason", "r"),
+    ("resume",),
+    ("promote",),
+    ("abort",),
+    ("rollback",),
+    ("controller", "status"),
+    ("controller", "stop"),
+)
+
+
+def rollout(*args: str, cwd: Path, env: dict[str, str] | None = None):
+    return subprocess.run(
+        [ROLLOUT, *args], cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S,
+        check=False, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def one_line(done: subprocess.CompletedProcess[str], code: int, category: str) -> str:
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error[{category}]: "), done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER_SCRIPT],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **TOKEN_AUTH, "RAY_GCS_SERVER_PORT": str(port)},
+        cwd=tmp_path_factory.mktemp("ray"),
+    )  # fmt: skip
+    try:
+        assert node.stdout is not None and node.stdout.readline().strip() == "up"
+        yield f"127.0.0.1:{port}"
+    finally:
+        assert node.stdin is not None
+        node.stdin.close()
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            node.kill()  # only the process this test started
+            node.wait()
+
+
+@pytest.mark.parametrize("args", CONTROLLER_COMMANDS)
+def test_commands_never_create_the_controller(
+    ray_address: str, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    # With a dashboard and a registry given, everything a controller needs is there: still
+    # none is created, and the registry file is not either.
+    db = tmp_path / "registry.db"
+    creatable = ("--dashboard", "http://127.0.0.1:9", "--db", f"sqlite:///{db}")
+    done = rollout(*args, "--address", ray_address, *creatable, cwd=tmp_path, env=TOKEN_AUTH)
+    line = one_line(done, 5, "controller.not_found")
+    assert not db.exists()
+    assert line == f"error[controller.not_found]: {CONTROLLER_MISSING}"
+    # Still none: the command above did not leave one behind.
+    again = rollout("controller", "status", "--address", ray_address, cwd=tmp_path, env=TOKEN_AUTH)
+    one_line(again, 5, "controller.not_found")
+
+
+def test_nothing_listening_at_the_address_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    for args in (("status",), ("controller", "status"), ("pause",), ("controller", "start")):
+        done = rollout(*args, "--address", address, cwd=tmp_path)
+        line = one_line(done, 7, "cluster.unavailable")
+        assert address in line and "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A TCP port that accepts connections and never says a word (not a Ray GCS)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_a_cluster_that_does_not_answer_fails_after_the_timeout(
+    silent_server: str, tmp_path: Path
+) -> None:
+    done = rollout("status", "--address", silent_server, "--timeout", "3", cwd=tmp_path)
+    line = one_line(done, 7, "cluster.unavailable")
+    assert "within 3s" in line, line
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e9", "x"])
+def test_a_bad_timeout_is_a_usage_error(tmp_path: Path, value: str) -> None:
+    done = rollout("status", "--timeout", value, cwd=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "--timeout" in done.stderr and "Traceback" not in done.stderr
