@@ -15,6 +15,7 @@ from app.cache import ArtifactCache
 from app.errors import ArtifactRejected
 from app.manifest import SIGNATURE_NAME
 from app.signing import generate_keypair, sign_manifest
+from tests.artifacts import good_artifact
 from tests.file_artifacts import make_file_artifact
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,8 @@ def test_a_signature_added_at_the_source_later_is_accepted_without_refetching(ke
 
 
 def test_rollout_verify_with_trust_key_refuses_what_a_keyless_verify_cached(keys, tmp_path):
-    art = make_file_artifact(tmp_path, PAYLOAD, "unsigned-cli")
+    # A servable artifact: `rollout verify` also refuses what the service could not serve.
+    art = good_artifact(tmp_path / "src", artifact_id="unsigned-cli")
     cache_dir = tmp_path / "cache"
     first = rollout_verify(art.manifest_uri, art.manifest_sha256, cache_dir)
     assert first.returncode == 0, first.stderr
