@@ -304,7 +304,9 @@ class _Tick:
     def where(self) -> str:
         if self.s.step_index < 0:
             return self.s.phase.value
-        return f"step {self.s.step_index} ({self.s.step_percent:g}%)"
+        # One-based, as `rollout status` shows it ("step 1/4"): events and views must agree.
+        steps = len(self.s.plan.steps)
+        return f"step {self.s.step_index + 1}/{steps} ({self.s.step_percent:g}%)"
 
     # ---- withdrawal and cleanup ----------------------------------------------------------
 
@@ -426,7 +428,9 @@ class _Tick:
         following = index + 1
         if following < len(plan.steps):
             if plan.gate_before_step(following):
-                self.pause_at_gate(step_gate(following), f"before step {following}")
+                self.pause_at_gate(
+                    step_gate(following), f"before step {following + 1}/{len(plan.steps)}"
+                )
             else:
                 self.enter_step(following)
         elif plan.gates.pause_before_promotion:

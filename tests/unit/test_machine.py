@@ -236,11 +236,11 @@ def test_full_rollout_promoted_by_shift() -> None:
     # t=10 the canary replica is still loading: hold, no traffic.
     acts = d.tick(10, canary=loading(V42, 1), router_weights=STABLE_ONLY)
     d.expect(acts, [], Phase.PREPARING, STABLE_ONLY)
-    # t=20 every canary replica serves the candidate: step 0, 5% to the canary.
+    # t=20 every canary replica serves the candidate: step 1/3, 5% to the canary.
     acts = d.tick(20, canary=ready(V42, 1), router_weights=STABLE_ONLY)
     d.expect(
         acts,
-        [Audit("canary_ready"), Audit("step", "step 0 (5%)"), weights(5)],
+        [Audit("canary_ready"), Audit("step", "step 1/3 (5%)"), weights(5)],
         Phase.PROGRESSING,
         w(5),
         step=0,
@@ -255,7 +255,7 @@ def test_full_rollout_promoted_by_shift() -> None:
     acts = d.tick(85, canary=ready(V42, 1), router_weights=w(5), window=window(25, 85))
     d.expect(
         acts,
-        [Audit("analysis", "pass"), Audit("step", "step 1 (25%)"), weights(25)],
+        [Audit("analysis", "pass"), Audit("step", "step 2/3 (25%)"), weights(25)],
         Phase.PROGRESSING,
         w(25),
         step=1,
@@ -264,11 +264,11 @@ def test_full_rollout_promoted_by_shift() -> None:
     # t=90 router at 75/25.
     acts = d.tick(90, canary=ready(V42, 1), router_weights=w(25))
     d.expect(acts, [], Phase.PROGRESSING, w(25), step=1)
-    # t=150 a healthy window: step 2 (50%) needs 2 canary replicas BEFORE the weight moves.
+    # t=150 a healthy window: step 3/3 (50%) needs 2 canary replicas BEFORE the weight moves.
     acts = d.tick(150, canary=ready(V42, 1), router_weights=w(25), window=window(90, 150))
     d.expect(
         acts,
-        [Audit("analysis", "pass"), Audit("step", "step 2 (50%)"), ScaleCanary(2)],
+        [Audit("analysis", "pass"), Audit("step", "step 3/3 (50%)"), ScaleCanary(2)],
         Phase.PROGRESSING,
         w(25),
         step=2,
@@ -384,11 +384,11 @@ def test_gate_before_a_step_holds_until_resume_and_promote_skips_the_rest() -> N
     plan = RolloutPlan.model_validate({**PLAN.model_dump(), "gates": {"pause_before_steps": [25]}})
     d = Driver.start(plan)
     t = drive_to_step(d, 0)  # 5%, router confirmed at t=25
-    # t=85 step 0 passes; step 1 is gated: paused at 5%.
+    # t=85 step 1/3 passes; step 2/3 is gated: paused at 5%.
     acts = d.tick(85, canary=ready(V42, 1), router_weights=w(5), window=window(t, 85))
     d.expect(
         acts,
-        [Audit("analysis", "pass"), Audit("paused", "before step 1")],
+        [Audit("analysis", "pass"), Audit("paused", "before step 2/3")],
         Phase.PAUSED,
         w(5),
         step=0,
@@ -403,7 +403,7 @@ def test_gate_before_a_step_holds_until_resume_and_promote_skips_the_rest() -> N
     acts = d.tick(1010, canary=ready(V42, 1), router_weights=w(5), commands=(Pause(), Resume()))
     d.expect(
         acts,
-        [Audit("resumed"), Audit("step", "step 1 (25%)"), weights(25)],
+        [Audit("resumed"), Audit("step", "step 2/3 (25%)"), weights(25)],
         Phase.PROGRESSING,
         w(25),
         step=1,
@@ -881,7 +881,7 @@ def test_resume_from_a_json_round_tripped_state_gives_the_same_next_actions() ->
     obs = Observations(canary=ready(V42, 1), router_weights=w(25), window=window(t + 60, t + 120))
     assert advance(restored, obs, t + 120) == advance(d.state, obs, t + 120)
     state, acts = advance(restored, obs, t + 120)
-    assert acts == [Audit("analysis", "pass"), Audit("step", "step 2"), ScaleCanary(2)]
+    assert acts == [Audit("analysis", "pass"), Audit("step", "step 3/3"), ScaleCanary(2)]
     assert (state.failed_checks, state.step_index) == (0, 2)
 
 
