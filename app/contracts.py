@@ -595,6 +595,7 @@ class ReplicaRow(Contract):
     cohort: Cohort | None
     phase: ReplicaPhase
     desired: Name | None
+    desired_revision: Revision | None = None
     actual: Name | None
     actual_revision: Revision | None
     error: Text | None

@@ -108,7 +108,7 @@ class RolloutEngine:
         self.targets = TargetBook(
             self.registry, model=settings.model, environment=settings.environment
         )
-        self.reports = ReportStore()
+        self.reports = ReportStore(clock=clock)  # heartbeats are judged by this clock
         self._lock = threading.RLock()
         self._commands: deque[OperatorCommand] = deque()
         self._live: LiveRollout | None = None
@@ -265,7 +265,11 @@ class RolloutEngine:
     def report_instance(self, report: Mapping[str, Any]) -> InstanceReport | None:
         """A replica's report (``InstanceReport.model_dump(mode="json")``); the report kept,
         or None when it was dropped (invalid, or older than the one kept)."""
-        return self.reports.receive(report)
+        refused_before = self.reports.refused
+        kept = self.reports.receive(report)
+        if self.reports.refused > refused_before:
+            self._error(f"report refused: {self.reports.last_refusal}")
+        return kept
 
     # ================================================================== the tick
 
@@ -525,4 +529,5 @@ class RolloutEngine:
                 last_window=self.last_window,
                 alerts=self.alerts,
                 errors=self.errors,
+                reports_refused=self.reports.refused,
             )

@@ -94,6 +94,7 @@ def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[Rep
             desired=r.desired_artifact,
             actual=r.actual_artifact,
             actual_revision=r.actual_revision,
+            desired_revision=r.desired_revision,
             error=clip_text(r.last_error.describe()) if r.last_error is not None else None,
             age_s=round(now - r.heartbeat, 1),
         )
@@ -133,6 +134,7 @@ def controller_status(
     last_window: WindowStats | None,
     alerts: Iterable[str],
     errors: Iterable[str],
+    reports_refused: int = 0,
 ) -> ControllerStatus:
     return ControllerStatus(
         **fields_of(summary),
@@ -141,6 +143,7 @@ def controller_status(
         last_window=None if last_window is None else window_view(last_window),
         alerts=tuple(clip_text(a) or "" for a in list(alerts)[-SHOWN_NOTES:]),
         errors=tuple(clip_text(e) or "" for e in list(errors)[-SHOWN_NOTES:]),
+        reports_refused=reports_refused,
     )
 
 
@@ -149,6 +152,13 @@ def controller_status(
 
 def _pct(bp: int | None) -> str:
     return "-" if bp is None else f"{bp / 100:g}%"
+
+
+def _at_revision(artifact: str | None, revision: int | None) -> str:
+    """``ranker-v42@7``: an artifact with the target revision it came with."""
+    if artifact is None:
+        return "-"
+    return artifact if revision is None else f"{artifact}@{revision}"
 
 
 def _clock(at: float) -> str:
@@ -216,21 +226,28 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                 f"target {target.cohort}: {target.artifact_id} (revision {target.revision})"
             )
         if status.replicas:
-            headers = ["replica", "cohort", "phase", "desired", "actual", "rev", "heartbeat"]
+            headers = ["replica", "cohort", "phase", "desired", "actual", "heartbeat", "error"]
             rows = [
                 [
-                    r.replica,
-                    str(r.cohort or "-"),
-                    str(r.phase),
-                    r.desired or "-",
-                    r.actual or "-",
-                    "-" if r.actual_revision is None else str(r.actual_revision),
-                    f"{r.age_s:.1f}s ago",
-                    r.error or "",
+                    terminal_safe(cell)  # escaped before widths are measured
+                    for cell in (
+                        r.replica,
+                        str(r.cohort or "-"),
+                        str(r.phase),
+                        _at_revision(r.desired, r.desired_revision),
+                        _at_revision(r.actual, r.actual_revision),
+                        f"{r.age_s:.1f}s ago",
+                        r.error or "",
+                    )
                 ]
                 for r in status.replicas
             ]
-            lines.extend(_table([*headers, "error"], rows))
+            lines.extend(_table(headers, rows))
+        if status.reports_refused:
+            lines.append(
+                f"reports refused: {status.reports_refused} (invalid, or a heartbeat ahead of "
+                "the controller's clock; `rollout status --json` lists the last errors)"
+            )
     for event in view.events[-5:]:
         lines.append(f"  {_clock(event.at)} {event.event}: {event.message}")
     if status is not None:

@@ -68,12 +68,20 @@ def target(cohort: str, artifact_id: str, revision: int) -> dict[str, Any]:
     }
 
 
-def replica(name: str, cohort: str | None, phase: str, actual: str | None, rev: int | None):
+def replica(
+    name: str,
+    cohort: str | None,
+    phase: str,
+    actual: str | None,
+    rev: int | None,
+    desired: tuple[str, int] | None = None,
+):
     return {
         "replica": name,
         "cohort": cohort,
         "phase": phase,
-        "desired": actual,
+        "desired": desired[0] if desired else actual,
+        "desired_revision": desired[1] if desired else rev,
         "actual": actual,
         "actual_revision": rev,
         "error": "load: shape mismatch" if phase == "failed" else None,
@@ -104,7 +112,7 @@ def test_everything_the_status_shows() -> None:
         targets=[target("stable", "ranker-v41", 1), target("canary", "ranker-v42", 2)],
         replicas=[
             replica("canary-abcdefghijklmn", "canary", "ready", "ranker-v42", 2),
-            replica("s1", "stable", "failed", "ranker-v41", 1),
+            replica("s1", "stable", "failed", "ranker-v41", 1, desired=("ranker-v43", 3)),
             replica("u1", None, "idle", None, None),
         ],
         last_window={
@@ -126,6 +134,7 @@ def test_everything_the_status_shows() -> None:
             },
         },
         alerts=["warning: held"],
+        reports_refused=2,
     )
     assert render(answer).splitlines() == [
         "rollout ranker-v42-abc123: paused step 1/3 (20.0%)  candidate ranker-v42 over ranker-v41",
@@ -134,11 +143,13 @@ def test_everything_the_status_shows() -> None:
         "  verdict step 1: fail: canary p99 300.0 ms; x",
         "target stable: ranker-v41 (revision 1)",
         "target canary: ranker-v42 (revision 2)",
-        "replica                cohort  phase   desired     actual      rev  heartbeat  error",
-        "canary-abcdefghijklmn  canary  ready   ranker-v42  ranker-v42  2    0.4s ago",
-        "s1                     stable  failed  ranker-v41  ranker-v41  1    0.4s ago   "
+        "replica                cohort  phase   desired       actual        heartbeat  error",
+        "canary-abcdefghijklmn  canary  ready   ranker-v42@2  ranker-v42@2  0.4s ago",
+        "s1                     stable  failed  ranker-v43@3  ranker-v41@1  0.4s ago   "
         "load: shape mismatch",
-        "u1                     -       idle    -           -           -    0.4s ago",
+        "u1                     -       idle    -             -             0.4s ago",
+        "reports refused: 2 (invalid, or a heartbeat ahead of the controller's clock; "
+        "`rollout status --json` lists the last errors)",
         "  00:00:01 created: rollout of ranker-v42",
         "  00:00:02 started: rolling out",
         "  00:00:03 weights: canary 20%",
@@ -148,7 +159,7 @@ def test_everything_the_status_shows() -> None:
     summary = {
         k: v
         for k, v in answer.items()
-        if k not in ("targets", "replicas", "last_window", "alerts", "errors")
+        if k not in ("targets", "replicas", "last_window", "alerts", "errors", "reports_refused")
     }
     text = render_status(CommandAccepted.model_validate({**summary, "queued": "abort"}))
     assert text.splitlines() == [

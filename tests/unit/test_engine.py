@@ -267,7 +267,15 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     world = World(registry)
     engine = world.engine
     assert wire(engine.rollout_summary()) == {"rollout": None}
-    status_keys = {"rollout", "targets", "replicas", "last_window", "alerts", "errors"}
+    status_keys = {
+        "rollout",
+        "targets",
+        "replicas",
+        "last_window",
+        "alerts",
+        "errors",
+        "reports_refused",
+    }
     assert set(wire(engine.view())) == status_keys
 
     world.replicas_report()
@@ -290,7 +298,8 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     }
     assert [t["cohort"] for t in status["targets"]] == ["stable"]  # aborted before canary
     assert set(status["replicas"][0]) == {
-        "replica", "cohort", "phase", "desired", "actual", "actual_revision", "error", "age_s",
+        "replica", "cohort", "phase", "desired", "desired_revision", "actual", "actual_revision",
+        "error", "age_s",
     }  # fmt: skip
     # The events persisted with the state are the same dicts.
     record = registry.list_rollouts("ranker", "default", limit=1)[0]

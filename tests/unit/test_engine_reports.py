@@ -52,6 +52,10 @@ def test_malformed_reports_neither_fail_a_tick_nor_hold_the_rollout(registry: Re
     assert (summary.phase, summary.finished) == ("succeeded", True), summary
     assert world.engine.reports.refused >= len(MALFORMED)
     assert world.engine.reports.refused % len(MALFORMED) == 0
+    # What `rollout status` shows: the count, and the refusals among the controller's errors.
+    status = world.engine.view()
+    assert status.reports_refused == world.engine.reports.refused
+    assert any(e.startswith("report refused: ") for e in status.errors), status.errors
 
 
 def test_a_bogus_huge_seq_does_not_hide_a_replica_from_the_rollout(registry: Registry) -> None:  # noqa: F811
