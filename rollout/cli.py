@@ -572,8 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RolloutSystemError as exc:
         # Raised inside the controller actor, it arrives as Ray's RayTaskError subclass of
         # the same type, whose str() carries the remote traceback: show the cause's message.
+        # Its ``message`` is the text without the category, which error_line puts first.
         cause = getattr(exc, "cause", None)
-        message = str(cause) if isinstance(cause, RolloutSystemError) else str(exc)
+        source = cause if isinstance(cause, RolloutSystemError) else exc
+        message = getattr(source, "message", None) or str(source)
         _say(error_line(exc.category, message))
         return exit_code_for(exc)
     except OSError as exc:

@@ -74,6 +74,7 @@ def test_a_store_that_is_not_listening_exits_7_with_error_fetch(tmp_path: Path) 
     assert done.returncode == 7, (done.returncode, done.stderr)
     line = one_line(done)
     assert line.startswith("error[fetch]:") and "Connection refused" in line, line
+    assert not line.startswith("error[fetch]: fetch:"), line  # the category once
     assert PASSWORD not in done.stderr and SIGNATURE not in done.stderr, done.stderr
 
 
