@@ -38,7 +38,7 @@ from app.errors import (
 )
 from app.manifest import Architecture, is_sha256_hex
 from app.safe_text import redact_in, redact_uri, terminal_safe
-from rollout.cli_options import LIST_LIMIT, FiniteRange, actor_option, reason_option
+from rollout.cli_options import LIST_LIMIT, Seconds, actor_option, reason_option
 from rollout.cluster import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from rollout.exit_codes import (
     EXIT_OK,
@@ -246,7 +246,7 @@ def _cluster_options(func: Any) -> Any:
         click.option(
             "--timeout",
             "timeout_s",
-            type=FiniteRange(min=0.1, max=MAX_TIMEOUT_S),
+            type=Seconds(min=0.1, max=MAX_TIMEOUT_S),
             default=DEFAULT_TIMEOUT_S,
             show_default=True,
             help="Seconds to wait for the cluster and for each answer of the controller "
@@ -400,7 +400,13 @@ def start_command(
     f"{EXIT_ROLLOUT_FAILED} failed, {EXIT_ROLLOUT_ROLLED_BACK} rolled back, "
     f"{EXIT_ROLLOUT_ABORTED} aborted.",
 )
-@click.option("--interval", type=FiniteRange(min=0.2, max=3600), default=2.0, show_default=True)
+@click.option(
+    "--interval",
+    type=Seconds(min=0.2, max=3600),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes of --watch.",
+)
 @_cluster_options
 def status_command(
     watch: bool,

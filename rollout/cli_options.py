@@ -22,10 +22,11 @@ MAX_DB_INT: Final = 2**63 - 1
 MAX_LIST_LIMIT: Final = 10_000  # rows a listing returns at most
 
 
-class FiniteRange(click.FloatRange):
-    """A float range that also refuses ``nan`` (which every comparison lets through)."""
+class Seconds(click.FloatRange):
+    """A duration in seconds within a range, refusing ``nan`` too (which every comparison
+    lets through); ``--help`` shows it as SECONDS."""
 
-    name = "finite float range"
+    name = "seconds"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         converted = super().convert(value, param, ctx)
