@@ -677,6 +677,12 @@ def test_a_declared_body_over_the_cap_gets_413_without_sending_it(cluster: Clust
 
 
 def test_a_chunked_body_is_cut_off_at_the_cap_with_413(cluster: Cluster) -> None:
+    """Through the real proxy, a chunked body over the cap gets 413, not a 500 or a hang.
+
+    Whether the answer arrives before the client has sent everything depends on timing: Ray's
+    proxy buffers whatever the client sends until the answer goes out. That the router stops
+    reading at the cap is pinned without timing in tests/unit/test_router.py (and the
+    ranker's handler in test_ranker_http.py)."""
     import http.client
     import json
     import select
@@ -687,7 +693,7 @@ def test_a_chunked_body_is_cut_off_at_the_cap_with_413(cluster: Cluster) -> None
     host, port = _host_port(cluster)
     chunk = b"[" + b" " * (64 * 1024 - 1)  # JSON-ish garbage, never complete
     framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
-    give_up_after = 8 * MAX_BODY_BYTES  # what the client would send if nothing stopped it
+    give_up_after = 2 * MAX_BODY_BYTES  # what the client sends if nothing stops it
     sock = socket.create_connection((host, port), timeout=ANSWER_BOUND_S)
     sent = 0
     try:
@@ -711,8 +717,6 @@ def test_a_chunked_body_is_cut_off_at_the_cap_with_413(cluster: Cluster) -> None
         sock.close()
     assert response.status == 413, answer
     assert answer["error"] == "body_too_large" and answer["limit_bytes"] == MAX_BODY_BYTES
-    # Answered while the client was still sending: the server never took the whole body.
-    assert sent < give_up_after, f"the client sent all {sent} bytes before any answer"
     assert cluster.status()["cohorts"]
 
 
