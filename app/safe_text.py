@@ -112,7 +112,11 @@ def secrets_of(uri: str) -> list[str]:
         )
     else:
         found.extend(m.group(2).strip("'") for m in _KV_SECRET.finditer(uri))
-    secrets = {s for s in found if s} | {unquote(s) for s in found if s}
+    whole = {s for s in found if s} | {unquote(s) for s in found if s}
+    # A driver that cannot parse a URI splits it where the URI grammar does (``/``, ``@``,
+    # ``:``, ``?``, ``#``) and quotes a piece: ``postgresql://:pw/x@h`` -> `invalid port "pw"`.
+    pieces = {piece for s in whole for piece in re.split(r"[/@:?#]", s)}
+    secrets = whole | pieces
     # Very short fragments would mask unrelated text; three characters are still a leak worth
     # stopping, two are not distinguishable from noise.
     return sorted((s for s in secrets if len(s) >= 3), key=len, reverse=True)

@@ -10,6 +10,7 @@ gives up after ``--timeout`` seconds (exit 7).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,7 @@ from app.contracts import (
     OperatorCommandName,
     PublishedTarget,
     RolloutSummary,
+    clip_text,
 )
 from app.errors import (
     ArtifactRejected,
@@ -554,12 +556,30 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
-def _say(line: str) -> None:
-    """One line on stderr, safe for a terminal (an error may quote a file name or a URI)."""
-    click.echo(terminal_safe(" ".join(line.split())), err=True)
+# Environment variables whose values may carry credentials (a registry URL, an address).
+_CREDENTIAL_ENV: Final = ("ROLLOUT_DB", "RAY_ADDRESS")
+
+
+def _credentials_in(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command-line and environment values that may carry a credential (URIs, libpq
+    ``key=value`` strings): no error line shows their secrets, whatever raised it."""
+    values = [*argv, *(os.environ.get(name, "") for name in _CREDENTIAL_ENV)]
+    return tuple(value for value in values if "://" in value or "=" in value)
+
+
+def _say(line: str, credentials: Sequence[str] = ()) -> None:
+    """One line on stderr, without the secrets of ``credentials``, capped, and safe for a
+    terminal (an error may quote a file name, a URI or a driver's message)."""
+    shown = redact_in(" ".join(line.split()), *credentials)
+    click.echo(terminal_safe(clip_text(shown) or ""), err=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    credentials = _credentials_in(list(argv) if argv is not None else sys.argv[1:])
+
+    def say(line: str) -> None:
+        _say(line, credentials)
+
     try:
         # Without standalone mode click returns what a command passed to ``ctx.exit`` (the
         # registry commands and the demo end that way) instead of exiting: it is the code.
@@ -573,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exc.show()
         return EXIT_USAGE
     except ArtifactRejected as exc:
-        _say(f"rejected: {exc.category}: {exc.detail}")
+        say(f"rejected: {exc.category}: {exc.detail}")
         return EXIT_REJECTED
     except RolloutSystemError as exc:
         # Raised inside the controller actor, it arrives as Ray's RayTaskError subclass of
@@ -582,21 +602,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         cause = getattr(exc, "cause", None)
         source = cause if isinstance(cause, RolloutSystemError) else exc
         message = getattr(source, "message", None) or str(source)
-        _say(error_line(exc.category, message))
+        say(error_line(exc.category, message))
         return exit_code_for(exc)
     except OSError as exc:
-        _say(f"error[io]: {exc}")
+        say(f"error[io]: {exc}")
         return EXIT_UNEXPECTED
     except ValidationError as exc:
         # An answer of the controller that this CLI's contracts do not read (another version).
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        _say(f"error[contract]: {exc.title}.{where}: {first.get('msg')}")
+        say(f"error[contract]: {exc.title}.{where}: {first.get('msg')}")
         return EXIT_UNEXPECTED
     except Exception as exc:
         # A bug, or a foreign error no boundary translated: still one line, never a
         # traceback (the type names it for a bug report).
-        _say(f"error[internal]: {type(exc).__name__}: {str(exc)[:500]}")
+        say(f"error[internal]: {type(exc).__name__}: {exc}")
         return EXIT_UNEXPECTED
     return code if isinstance(code, int) else EXIT_OK
 

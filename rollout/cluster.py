@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from app.errors import NotFound, RolloutSystemError
-from app.safe_text import redact_uri, terminal_safe
+from app.errors import ConfigError, NotFound, RolloutSystemError
+from app.safe_text import redact_in, redact_uri, terminal_safe
 
 CONTROLLER_NAME: Final = "rollout-controller"
 CONTROLLER_NAMESPACE: Final = "rollout"
@@ -130,6 +130,12 @@ def connect(address: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str | 
     try:
         context = within(timeout_s, f"attaching to the Ray cluster at {shown_address(address)}",
                          attach)  # fmt: skip
+    except ValueError as exc:  # Ray's "Invalid Ray address"
+        raise ConfigError(
+            f"--address {shown_address(address)}: not an address of a Ray cluster "
+            f"({terminal_safe(redact_in(' '.join(str(exc).split()), address or ''))[:300]})",
+            field="--address",
+        ) from None
     except ConnectionError as exc:
         raise ClusterUnreachable(
             f"no Ray cluster to attach to at {shown_address(address)} "

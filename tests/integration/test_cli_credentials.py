@@ -30,6 +30,10 @@ def urls(port: int) -> list[tuple[str, str]]:
         (f"postgresql://u:p%zzword@127.0.0.1:{port}/x", "zzword"),
         ("postgresql://u:pwsecret@[::1/x", "pwsecret"),
         (f"postgresql://127.0.0.1:{port}/x?password=topsecret&sslmode=bogus", "topsecret"),
+        # An empty user and a '/': the driver quotes the piece before the '/' as the port.
+        (f"postgresql://:secretpw/x@127.0.0.1:{port}/db", "secretpw/x"),
+        # An '@' in the password: the driver quotes the piece after it as the host.
+        (f"postgresql://u:hunter@secret2@127.0.0.1:{port}/x", "hunter@secret2"),
     ]
 
 
@@ -82,3 +86,14 @@ def test_a_manifest_uri_password_never_reaches_the_terminal(tmp_path: Path) -> N
         assert done.returncode in (3, 7), (args, done.returncode, done.stderr)
         assert "manifestpw" not in done.stderr + done.stdout, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_an_address_with_a_password_is_a_config_error_that_never_shows_it(tmp_path: Path) -> None:
+    # Ray refuses an HTTP address with its own ValueError, quoting it: once a traceback-free
+    # but raw `error[internal]` line with exit 1.
+    done = rollout(
+        "status", "--address", "http://u:secretpw@127.0.0.1:1", "--timeout", "3", cwd=tmp_path
+    )
+    assert done.returncode == 6, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error[config]: --address"), done.stderr
+    assert "secretpw" not in done.stderr + done.stdout, done.stderr

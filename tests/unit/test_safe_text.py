@@ -49,3 +49,16 @@ def test_terminal_safe_escapes_controls_bidi_and_zero_width() -> None:
     shown = terminal_safe("a\x1b[31mred\u202eevil\u200bx\ny\x9b")
     assert shown == "a\\x1b[31mred\\u202eevil\\u200bx\\x0ay\\x9b"
     assert terminal_safe("ranker-v42/weights.pt é") == "ranker-v42/weights.pt é"
+
+
+@pytest.mark.parametrize(
+    ("uri", "echoed"),
+    [
+        # What psycopg prints for URLs it cannot parse: a piece of the password, quoted.
+        ("postgresql://:secretpw/x@127.0.0.1:5432/db", 'invalid integer value "secretpw"'),
+        ("postgresql://u:hunter@secret2@127.0.0.1:1/x", "failed to resolve host 'secret2@1"),
+    ],
+)
+def test_redact_in_masks_the_pieces_of_a_password_a_driver_quotes(uri: str, echoed: str) -> None:
+    shown = redact_in(f"{echoed} for connection option", uri)
+    assert "secretpw" not in shown and "secret2" not in shown and "hunter" not in shown, shown
