@@ -298,12 +298,25 @@ def _file_kind(mode: int) -> str:
 def _check_http_url(uri: str, shown: str) -> None:
     # Refused here, not halfway through a fetch as a ValueError of yarl's or aiohttp's.
     try:
-        host = yarl.URL(uri).host
-    except ValueError as exc:
+        url = yarl.URL(uri)
+        host, _port = url.host, url.port  # the port: "out of range" is a ValueError
+        if host:
+            host.encode("idna")  # a label aiohttp could not encode (empty, > 63 characters)
+    except ValueError as exc:  # UnicodeError (IDNA) included
         why = clip_text(redact_in(str(exc), uri), 200)
         raise ArtifactRejected("path", f"not a valid URL ({why}): {shown}") from None
     if not host:
         raise ArtifactRejected("path", f"URL without a host: {shown}")
+
+
+def check_source_uri(uri: str, fetch: FetchConfig) -> str:
+    """What opening ``uri`` checks before any I/O (the scheme allowlist, a URL's host and
+    port), for callers that may not open it at all: a cache hit is served from the cache, but
+    only for a URI this service would read from. Returns the scheme."""
+    scheme = check_uri_allowed(uri, fetch.schemes)
+    if scheme in ("http", "https"):
+        _check_http_url(uri, shown_uri(uri))
+    return scheme
 
 
 def _read_up_to(stream: Any, limit: int) -> bytes:

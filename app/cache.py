@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from app.artifact_store import ArtifactSource
+from app.artifact_store import ArtifactSource, check_source_uri
 from app.contracts import FetchConfig
 from app.errors import ArtifactRejected, ConfigError
 from app.load_pacing import LoadPacer, checkpoint
@@ -426,6 +426,8 @@ class ArtifactCache:
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
+        # A hit needs no fetch, but it is served only for a URI that could be fetched.
+        check_source_uri(manifest_uri, self.fetch)
         hit = self._open_entry(digest, recheck, pacer, manifest_uri)
         if hit is not None:
             return hit

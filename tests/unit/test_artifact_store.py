@@ -238,6 +238,8 @@ def test_a_chained_fsspec_url_is_refused(tmp_path: Path) -> None:
         "http://127.0.0.1:99999/a/manifest.json",
         "http://[bad/manifest.json",
         "http:///no-host/manifest.json",
+        "http://a..b/manifest.json",  # an empty label: IDNA cannot encode it
+        "http://" + "a" * 64 + ".example/manifest.json",  # a label over 63 characters
     ],
 )
 def test_a_malformed_url_is_refused_before_a_fetch(tmp_path: Path, uri: str) -> None:
@@ -420,3 +422,27 @@ def test_a_stalled_store_fails_the_cache_fetch_within_the_read_timeout(tmp_path:
             cache.fetch_verified(
                 server.uri(f"{artifact.out_dir.name}/manifest.json"), artifact.manifest_sha256
             )
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "ftp://u:secretpw@127.0.0.1/manifest.json",
+        "memory://x/manifest.json",
+        "http://127.0.0.1:99999/manifest.json",
+        "http://a..b/manifest.json",
+    ],
+)
+def test_a_cached_entry_is_never_served_for_a_uri_this_service_would_not_read(
+    tmp_path: Path, uri: str
+) -> None:
+    """A hit needs no fetch: the URI is checked before the cache is, so an entry cached from
+    a good source is not handed out under a refused scheme or a malformed URL."""
+    artifact = make_file_artifact(tmp_path, {"weights.bin": os.urandom(1024)})
+    cache = ArtifactCache(tmp_path / "cache")
+    cache.fetch_verified(artifact.manifest_uri, artifact.manifest_sha256)
+    assert cache.fetch_verified(artifact.manifest_uri, artifact.manifest_sha256).cached
+    with pytest.raises(ArtifactRejected) as info:
+        cache.fetch_verified(uri, artifact.manifest_sha256)
+    assert info.value.category == "path", info.value
+    assert "secretpw" not in str(info.value)
