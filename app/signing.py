@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -27,6 +28,28 @@ from app.errors import ArtifactRejected, ConfigError
 _NEW_KEY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 PRIVATE_KEY_MODE = 0o600
 PUBLIC_KEY_MODE = 0o644
+# A PEM ed25519 key is ~120 bytes; anything near this is not a key (``/dev/zero``, a dataset).
+MAX_KEY_FILE_BYTES = 64 * 1024
+
+
+def _read_key_file(path: Path, what: str) -> bytes:
+    """The bytes of a key file: a regular file (symlinks followed, as mounted secrets are), of
+    bounded size, opened without blocking so a FIFO or device named by mistake (in a
+    user_config's ``trust_key`` too) is refused instead of hanging or filling memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot be opened ({exc.strerror or exc})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{what} {path}: not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"{what} {path}: larger than {MAX_KEY_FILE_BYTES} bytes, not a key")
+    return data
 
 
 def _create_key_file(path: Path, mode: int) -> int:
@@ -88,7 +111,7 @@ def generate_keypair(private_path: Path, public_path: Path) -> None:
 
 def _load_private(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        key = serialization.load_pem_private_key(_read_key_file(path, "sign key"), password=None)
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"sign key {path}: not a readable PEM private key ({exc})") from exc
     if not isinstance(key, Ed25519PrivateKey):
@@ -98,7 +121,7 @@ def _load_private(path: Path) -> Ed25519PrivateKey:
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
+        key = serialization.load_pem_public_key(_read_key_file(path, "trust key"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"trust key {path}: not a readable PEM public key ({exc})") from exc
     if not isinstance(key, Ed25519PublicKey):

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,63 @@ def test_rollout_keygen_refuses_a_dangling_symlink_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not target.exists()
     assert not public.exists()
+
+
+def _load_guarded(load: Callable[[Path], object], path: Path) -> object:
+    """``load(path)`` on a thread: a hang (the old code blocked on a FIFO) fails the test
+    instead of stalling the suite."""
+    import threading
+
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(load(path))
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert outcome, f"loading {path} hung"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge", "directory"])
+def test_a_key_path_that_is_not_a_small_regular_file_is_a_config_error(
+    tmp_path: Path, kind: str
+) -> None:
+    from app.signing import MAX_KEY_FILE_BYTES, _load_private
+
+    path = tmp_path / "key.pem"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "huge":
+        path.write_bytes(b"-" * (MAX_KEY_FILE_BYTES + 1))
+    else:
+        path.mkdir()
+    for load in (load_public_key, _load_private):
+        got = _load_guarded(load, path)
+        assert isinstance(got, ConfigError), got
+        assert str(path) in str(got)
+
+
+def test_a_symlinked_key_is_read(tmp_path: Path) -> None:
+    # Mounted secrets (Kubernetes) are symlinks: following them is right for a key.
+    generate_keypair(tmp_path / "sign.pem", tmp_path / "trust.pem")
+    (tmp_path / "link.pem").symlink_to(tmp_path / "trust.pem")
+    load_public_key(tmp_path / "link.pem")
+
+
+def test_rollout_verify_with_a_fifo_as_trust_key_exits_6_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "trust.pem")
+    done = subprocess.run(
+        [str(ROLLOUT), "verify", (tmp_path / "m.json").as_uri(), "--sha256", "ab" * 32,
+         "--cache", str(tmp_path / "cache"), "--trust-key", str(tmp_path / "trust.pem")],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 6, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error[config]: trust key"), done.stderr
