@@ -238,6 +238,10 @@ def load_plan(path: str | Path) -> RolloutPlan:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read rollout plan: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file (byte {exc.start}): a rollout plan is YAML"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -131,3 +131,10 @@ def test_load_plan_errors_are_config_errors(tmp_path: Path) -> None:
     invalid.write_text("threshold: 0\n")
     with pytest.raises(ConfigError, match=r"invalid\.yaml: invalid rollout plan: threshold"):
         load_plan(invalid)
+
+
+def test_a_plan_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_bytes(b"\xff\xfesteps: [5]\n")
+    with pytest.raises(ConfigError, match=r"not a UTF-8 text file \(byte 0\)"):
+        load_plan(path)
