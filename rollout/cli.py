@@ -214,7 +214,7 @@ def keygen(private_key: Path, public_key: Path) -> None:
     from app.signing import generate_keypair
 
     for path in (private_key, public_key):
-        if path.exists():
+        if path.exists() or path.is_symlink():  # a dangling symlink "exists" as a link
             raise click.BadParameter(f"{path} exists; refusing to overwrite a key")
     generate_keypair(private_key, public_key)
     emit({"private_key": str(private_key), "public_key": str(public_key)})

@@ -124,8 +124,9 @@ def test_rollout_keygen_refuses_a_dangling_symlink_with_one_line(tmp_path):
         [str(ROLLOUT), "keygen", str(private), str(public)],
         capture_output=True, text=True, cwd=REPO, timeout=60, env=ENV,
     )  # fmt: skip
-    assert proc.returncode == 6, (proc.stdout, proc.stderr)
-    assert proc.stderr.startswith("error[config]: "), proc.stderr
+    # The same usage error (2, naming the path) as an existing file: one refusal, one code.
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "exists; refusing to overwrite a key" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not target.exists()
     assert not public.exists()
