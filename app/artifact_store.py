@@ -11,8 +11,9 @@ What a failure is, whatever the store:
   ``ArtifactRejected("path")``. It names a location, not bytes, and another attempt reads the
   same location: final, like any other unsafe path of an artifact;
 - a file that is not there (404, ENOENT): ``ArtifactRejected("missing")``;
-- a store that cannot be read now (connection refused, DNS, a connect or read timeout, a 5xx,
-  an fsspec driver that is not installed): ``FetchFailed`` (category ``fetch``; retried).
+- a store that cannot be read now (connection refused, DNS, a connect or read timeout, a 5xx):
+  ``FetchFailed`` (category ``fetch``; retried);
+- a store whose fsspec driver is not installed (s3fs): ``ConfigError`` (the host needs it).
 
 HTTP(S) is bounded by a connect timeout and a per-read timeout, never a total: a large artifact
 streams for as long as bytes keep coming, and a stalled server fails within the read timeout.
@@ -43,7 +44,7 @@ from fsspec.implementations.http import HTTPStreamFile
 from fsspec.implementations.local import LocalFileSystem
 
 from app.contracts import FetchConfig, clip_text
-from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
+from app.errors import ArtifactRejected, ConfigError, FetchFailed, RolloutSystemError
 from app.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from app.safe_text import redact_in, redact_uri, terminal_safe
 
@@ -188,7 +189,7 @@ def _translate(
     if _is_not_found(exc):
         return ArtifactRejected("missing", clip_text(f"{what} does not exist"))
     if isinstance(exc, ImportError):
-        return FetchFailed(clip_text(f"{what}: no driver for this store: {_describe(exc, fetch)}"))
+        return _no_driver(what, exc, fetch)
     if isinstance(exc, OSError | aiohttp.ClientError):  # TimeoutError and ConnectionError too
         return FetchFailed(clip_text(f"{what}: {_describe(exc, fetch, *uris)}"))
     return None
@@ -309,6 +310,17 @@ def _check_http_url(uri: str, shown: str) -> None:
         raise ArtifactRejected("path", f"URL without a host: {shown}")
 
 
+def _no_driver(what: str, exc: ImportError, fetch: FetchConfig) -> ConfigError:
+    # Not a fetch failure: retrying cannot install a package. The host needs the extra.
+    return ConfigError(
+        clip_text(
+            f"{what}: no driver for this store is installed ({_describe(exc, fetch)}); "
+            "for s3:// install the s3 extra (pip install -e .[s3])"
+        ),
+        field="manifest_uri",
+    )
+
+
 def check_source_uri(uri: str, fetch: FetchConfig) -> str:
     """What opening ``uri`` checks before any I/O (the scheme allowlist, a URL's host and
     port), for callers that may not open it at all: a cache hit is served from the cache, but
@@ -351,11 +363,8 @@ class ArtifactSource:
                 manifest_uri, **_storage_options(self.scheme, self.fetch)
             )
         except ImportError as exc:  # fsspec: "Install s3fs to access S3"
-            raise FetchFailed(
-                clip_text(
-                    f"cannot open the store of {self.shown_uri}: {_describe(exc, self.fetch)}"
-                ),
-                uri=self.shown_uri,
+            raise _no_driver(
+                f"cannot open the store of {self.shown_uri}", exc, self.fetch
             ) from None
         except ValueError as exc:
             raise ArtifactRejected(

@@ -12,7 +12,7 @@ Hierarchy::
     │                                   extra, size, digest, schema, runtime, signature,
     │                                   load, dry_run, budget)
     ├── FetchFailed                     the artifact store could not be read (connection
-    │                                   refused, timeout, missing driver): nothing was
+    │                                   refused, DNS, timeout, 5xx): nothing was
     │                                   judged about the artifact, retry (category: fetch)
     ├── RegistryError                   the model registry refused an operation
     │   ├── NotFound                    unknown model / artifact / target / rollout

@@ -1,7 +1,8 @@
 """``rollout verify`` against artifact stores that fail, as a script runs it: the installed
 binary as a subprocess, real HTTP servers on loopback. A store out of reach exits 7 with
 ``error[fetch]`` (retry later); a URI the service does not read from exits 3 (``rejected:
-path``); neither shows the URI's credentials."""
+path``); a store whose driver is not installed exits 6 (``error[config]``); none shows the
+URI's credentials."""
 
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ def test_a_server_error_exits_7(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed")
-def test_a_missing_s3_driver_exits_7_naming_it(tmp_path: Path) -> None:
+def test_a_missing_s3_driver_exits_6_naming_it(tmp_path: Path) -> None:
     done = verify("s3://bucket/ranker-v42/manifest.json", tmp_path)
-    assert done.returncode == 7, (done.returncode, done.stderr)
-    assert one_line(done).startswith("error[fetch]:") and "s3fs" in done.stderr
+    assert done.returncode == 6, (done.returncode, done.stderr)
+    assert one_line(done).startswith("error[config]:") and "s3fs" in done.stderr
 
 
 @pytest.mark.parametrize("uri", ["ftp://store.example/a/manifest.json", "memory://a/manifest.json"])

@@ -25,7 +25,7 @@ import pytest
 from app.artifact_store import ArtifactSource
 from app.cache import ArtifactCache
 from app.contracts import FetchConfig
-from app.errors import ArtifactRejected, FetchFailed
+from app.errors import ArtifactRejected, ConfigError, FetchFailed
 from app.manifest import MANIFEST_NAME
 from rollout.local_cluster import free_port
 from tests.file_artifacts import HeldFileServer, make_file_artifact
@@ -145,10 +145,11 @@ def test_a_manifest_that_is_not_there_is_still_missing(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed")
-def test_a_missing_fsspec_driver_is_a_fetch_failure_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(FetchFailed) as info:
+def test_a_missing_fsspec_driver_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    # Not retryable: no retry installs s3fs.
+    with pytest.raises(ConfigError) as info:
         ArtifactCache(tmp_path / "cache").fetch_verified("s3://bucket/a/manifest.json", "ab" * 32)
-    assert "s3fs" in str(info.value)
+    assert "s3fs" in str(info.value) and "pip install -e .[s3]" in str(info.value)
 
 
 # --------------------------------------------------------------------------- stalls and timeouts
