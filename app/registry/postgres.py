@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -75,6 +76,10 @@ def _map_db_errors(url: str) -> Iterator[None]:
             f"no registry database connection available: {said(exc)}"
         ) from None
     except psycopg.OperationalError as exc:
+        if _BAD_CONNINFO.search(str(exc)):
+            # libpq's own verdict on the URL's values (a port that is not a number): no
+            # retry makes it valid.
+            raise ConfigError(f"registry URL refused by the driver: {said(exc)}") from None
         raise RegistryUnavailable(f"registry database unavailable: {said(exc)}") from None
     except psycopg.ProgrammingError as exc:
         # A connection string the driver cannot parse (e.g. a bad port): nothing reached a
@@ -82,6 +87,13 @@ def _map_db_errors(url: str) -> Iterator[None]:
         raise ConfigError(f"registry URL refused by the driver: {said(exc)}") from None
     except psycopg.Error as exc:
         raise RegistryError(f"registry database error: {said(exc)}") from None
+
+
+# libpq's messages about values of the connection string itself, not about reaching a server.
+_BAD_CONNINFO: Final = re.compile(
+    r'for connection option "|invalid port number|invalid connection option|'
+    r"invalid sslmode value|invalid URI query parameter"
+)
 
 
 @lru_cache(maxsize=256)

@@ -130,3 +130,22 @@ def test_a_registry_out_of_reach_exits_7_from_every_command_in_one_line(tmp_path
         assert done.returncode == 7, (args, done.returncode, done.stderr)
         assert done.stderr.startswith("error[registry.unavailable]:"), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("port", ["pa", "99999"])
+def test_a_registry_url_the_driver_can_never_use_is_a_config_error(
+    tmp_path: Path, port: str
+) -> None:
+    # "Retry later" (7) would be wrong: no retry makes the port a number.
+    done = rollout("registry", "--db", f"postgresql://u:pw@127.0.0.1:{port}/x", "history",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 6, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error[config]: registry URL refused by the driver"), done.stderr
+
+
+def test_a_registry_server_that_is_down_is_unavailable(tmp_path: Path) -> None:
+    done = rollout(
+        "registry", "--db", f"postgresql://u:pw@127.0.0.1:{free_port()}/x", "history", cwd=tmp_path
+    )
+    assert done.returncode == 7, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error[registry.unavailable]:"), done.stderr
