@@ -152,6 +152,12 @@ def _redacting(*uris: str) -> Iterator[None]:
     default=None,
     help="Device memory capacity in bytes for the budget check (default: ask the device).",
 )
+@click.option(
+    "--model",
+    default="ranker",
+    show_default=True,
+    help="The model the service serves (loading.model): a manifest of another is refused.",
+)
 def verify(
     manifest_uri: str,
     manifest_sha256: str,
@@ -159,6 +165,7 @@ def verify(
     trust_key: Path | None,
     load: bool,
     memory_budget: int | None,
+    model: str,
 ) -> None:
     """Fetch MANIFEST_URI into the verified cache and check every file and that this service
     can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
@@ -171,6 +178,13 @@ def verify(
         artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
         # What the manifest says decides whether the service could ever serve it: no weights
         # need loading to refuse an unknown runtime, schema, precision or architecture.
+        if artifact.manifest.model != model:
+            raise ArtifactRejected(
+                "schema",
+                f"manifest is for model {artifact.manifest.model!r}; the service serves "
+                f"{model!r} (--model)",
+                artifact_id=artifact.manifest.artifact_id,
+            )
         check_compatibility(artifact.manifest)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,

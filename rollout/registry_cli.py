@@ -22,7 +22,7 @@ import click
 
 from app.contracts import COHORTS
 from app.errors import ArtifactRejected, RevisionConflict, RolloutSystemError
-from app.manifest import is_sha256_hex
+from app.manifest import Manifest, is_sha256_hex
 from app.registry import (
     DEFAULT_REGISTRY_URL,
     ArtifactRecord,
@@ -233,11 +233,24 @@ def register_command(
     from app.loader import check_compatibility  # torch: only for the command that needs it
 
     session.secret_uris.append(manifest_uri)
+
+    def servable(manifest: Manifest) -> None:
+        # The artifact is registered under the manifest's model: one of another model than
+        # the command's would land where no rollout of --model looks.
+        if manifest.model != session.model:
+            raise ArtifactRejected(
+                "schema",
+                f"manifest is for model {manifest.model!r}, this command for "
+                f"{session.model!r} (--model)",
+                artifact_id=manifest.artifact_id,
+            )
+        check_compatibility(manifest)
+
     record = session.writer.register_artifact(
         manifest_uri,
         sha256,
         state="ready" if ready else "pending",
-        accept=check_compatibility,
+        accept=servable,
         actor=actor,
     )
     _show_artifacts(session, [record])

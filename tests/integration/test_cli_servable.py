@@ -12,6 +12,7 @@ import pytest
 
 from app.packing import PackResult
 from tests import artifacts
+from tests.unit.test_model_loading import pack_for_model
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 
@@ -20,6 +21,8 @@ UNSERVABLE: list[tuple[Callable[[Path], PackResult], str, str]] = [
     (artifacts.unknown_runtime_artifact, "runtime", "unknown runtime"),
     (artifacts.unknown_precision_artifact, "runtime", "unknown precision"),
     (artifacts.unknown_architecture_artifact, "runtime", "unknown architecture"),
+    # Servable by another deployment, not by this one (`--model`, default ranker).
+    (lambda root: pack_for_model(root, "fraud-scorer"), "schema", "model 'fraud-scorer'"),
 ]
 
 
