@@ -358,10 +358,15 @@ class ArtifactSource:
         self.is_http = self.scheme in ("http", "https")
         if self.is_http:
             _check_http_url(manifest_uri, self.shown_uri)
+        # Schemes are case-insensitive (RFC 3986); fsspec's registry knows them lower case.
+        prefix = manifest_uri[: len(self.scheme) + 1]
+        opened = (
+            f"{self.scheme}:{manifest_uri[len(prefix) :]}"
+            if prefix.lower() == f"{self.scheme}:"
+            else manifest_uri
+        )
         try:
-            fs, path = fsspec.core.url_to_fs(
-                manifest_uri, **_storage_options(self.scheme, self.fetch)
-            )
+            fs, path = fsspec.core.url_to_fs(opened, **_storage_options(self.scheme, self.fetch))
         except ImportError as exc:  # fsspec: "Install s3fs to access S3"
             raise _no_driver(
                 f"cannot open the store of {self.shown_uri}", exc, self.fetch

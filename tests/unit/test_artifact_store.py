@@ -447,3 +447,10 @@ def test_a_cached_entry_is_never_served_for_a_uri_this_service_would_not_read(
         cache.fetch_verified(uri, artifact.manifest_sha256)
     assert info.value.category == "path", info.value
     assert "secretpw" not in str(info.value)
+
+
+def test_a_scheme_in_capitals_is_the_same_scheme(tmp_path: Path) -> None:
+    artifact = make_file_artifact(tmp_path, {"weights.bin": os.urandom(1024)})
+    upper = "FILE" + artifact.manifest_uri[len("file") :]
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(upper, artifact.manifest_sha256)
+    assert got.manifest.artifact_id == artifact.artifact_id
