@@ -22,7 +22,7 @@ import math
 import struct
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -312,15 +312,8 @@ def _check_safetensors_header(data: bytes, model: RankerMLP, precision: str) -> 
     if not isinstance(header, dict):
         raise _unreadable(name, "header is not a JSON object")
     header.pop("__metadata__", None)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(header))
-    unexpected = sorted(set(header) - set(expected))
-    if missing or unexpected:
-        raise ArtifactRejected(
-            "load",
-            f"{name} header: state dict does not match the architecture: missing keys "
-            f"{missing}, unexpected keys {unexpected}",
-        )
+    expected = _expected_shapes(model)
+    _check_keys(expected, header, f"{name} header: ")
     dtype_tag = SAFETENSORS_DTYPES[precision]
     itemsize = PRECISIONS[precision].itemsize
     payload = len(data) - 8 - header_len
@@ -369,16 +362,26 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: str) -> None:
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def _expected_shapes(model: RankerMLP) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_keys(expected: Mapping[str, object], got: Mapping[str, object], where: str) -> None:
+    """The tensor names ``got`` (a state dict, a safetensors header) are exactly the
+    architecture's."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
     if missing or unexpected:
         raise ArtifactRejected(
             "load",
-            f"state dict does not match the architecture: missing keys {missing}, "
+            f"{where}state dict does not match the architecture: missing keys {missing}, "
             f"unexpected keys {unexpected}",
         )
+
+
+def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: str) -> None:
+    expected = _expected_shapes(model)
+    _check_keys(expected, state, "")
     dtype = PRECISIONS[precision]
     for key, shape in expected.items():
         t = state[key]
