@@ -15,9 +15,11 @@ renames the directory into place in one step. A crash leaves only temp directori
 is gone; they are swept when a cache is opened. Nothing under ``artifacts/`` is ever written in
 place.
 
-A hit is re-checked (sizes, or digests), its signature verified when a trust key is set (an
-entry may come from a process without one), and every cached file is opened so that nothing
-swapped in after publication can block a reader or redirect it (``open_regular``).
+A hit is re-checked (sizes, or digests), its signatures verified when a trust policy is set
+(an entry may come from a process without one; app.trust), and every cached file is opened so
+that nothing swapped in after publication can block a reader or redirect it
+(``open_regular``). An entry keeps the signature files its source had (the project's
+``manifest.json.sig``, an OpenSSF ``model.sig``) for consumers that trust them.
 """
 
 from __future__ import annotations
@@ -40,21 +42,20 @@ from pathlib import Path
 from typing import Final, Literal
 
 from app.artifact_store import ArtifactSource, check_source_uri
-from app.contracts import FetchConfig
+from app.contracts import FetchConfig, SignatureTrust
 from app.errors import ArtifactRejected, ConfigError
 from app.load_pacing import LoadPacer, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    SIGNATURE_NAME,
     FileEntry,
     Manifest,
     is_sha256_hex,
     parse_manifest,
 )
 from app.safe_text import redact_uri, terminal_safe
-from app.signing import load_public_key, verify_manifest_signature
+from app.trust import TrustPolicy, signature_limits
 
 GiB: Final = 1 << 30
 CHUNK_BYTES: Final = 8 << 20
@@ -62,8 +63,6 @@ CHUNK_BYTES: Final = 8 << 20
 # each (a few ms of SHA-256): one call over a whole file would be one long burst.
 HASH_PIECE_BYTES: Final = 4 << 20
 MAX_PARALLEL_FILES: Final = 4
-# A signature file holds the base64 of 64 bytes and a newline; anything longer is not one.
-MAX_SIGNATURE_BYTES: Final = 4096
 MAX_MARKER_BYTES: Final = 64 << 10
 # Written in a cache's root when it is created: only a directory that holds it (or an empty
 # one, or a cache from before the marker) is ever opened, and so swept.
@@ -93,6 +92,8 @@ class VerifiedArtifact:
     manifest_sha256: str
     cached: bool = False
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    # The mode of the trusted signature that covers it (app.trust); None: none was asked for.
+    signature: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -389,15 +390,26 @@ class ArtifactCache:
         byte_budget: int | None = None,
         limits: CacheLimits | None = None,
         trust_key: Path | str | None = None,
+        trust: SignatureTrust | TrustPolicy | None = None,
         fetch: FetchConfig | None = None,
     ) -> None:
         """Open (or create) the cache at ``root``. ConfigError (field ``cache_dir``) for a
-        directory that is not a cache: see ``claim_cache_root``; nothing in it is touched."""
+        directory that is not a cache: see ``claim_cache_root``; nothing in it is touched.
+
+        ``trust`` (a policy, or the config to build one from; ``trust_key`` is shorthand for
+        one key of it): signatures every fetch and every hit must carry. A key that cannot be
+        read is a ConfigError naming ``trust.…``."""
         self.root = Path(root)
         self.byte_budget = byte_budget
         self.limits = limits or CacheLimits()
         self.fetch = fetch or FetchConfig()  # schemes and timeouts of the stores read from
-        self._trust_key = load_public_key(Path(trust_key)) if trust_key else None
+        if not isinstance(trust, TrustPolicy):
+            config = (trust or SignatureTrust()).with_key(str(trust_key) if trust_key else None)
+            trust = TrustPolicy.of(config)
+        self._trust: TrustPolicy | None = trust
+        self._signature_limits = signature_limits(
+            trust.signature_file if trust else SignatureTrust().signature_file
+        )
         claim_cache_root(self.root)
         self.artifacts_dir = self.root / "artifacts"
         self.tmp_dir = self.root / "tmp"
@@ -561,7 +573,7 @@ class ArtifactCache:
                 self._run_parallel(
                     manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
                 )
-            stored_signature = self._stored_signature(entry)
+            stored_signatures = self._stored_signatures(entry)
         except (OSError, ArtifactRejected):
             if holding_lock:
                 self._set_aside(entry, "corrupt")
@@ -569,52 +581,67 @@ class ArtifactCache:
                 with self._digest_lock(digest):
                     self._set_aside(entry, "corrupt")
             return None
-        if self._trust_key is not None:
+        signature = None
+        if self._trust is not None:
             # Not a sign of corruption: the entry stays for consumers that need no signature.
-            self._check_signature_of_hit(manifest, manifest_bytes, stored_signature, manifest_uri)
+            signature = self._check_signatures_of_hit(
+                manifest, manifest_bytes, stored_signatures, manifest_uri
+            )
         os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
         return VerifiedArtifact(
-            entry, manifest, digest, cached=True, timings={"verify_s": time.monotonic() - started}
+            entry,
+            manifest,
+            digest,
+            cached=True,
+            timings={"verify_s": time.monotonic() - started},
+            signature=signature,
         )
 
-    @staticmethod
-    def _stored_signature(entry: Path) -> bytes | None:
-        try:
-            return read_regular(entry / SIGNATURE_NAME, "cached signature", MAX_SIGNATURE_BYTES)
-        except FileNotFoundError:
-            return None
+    def _stored_signatures(self, entry: Path) -> dict[str, bytes | None]:
+        stored: dict[str, bytes | None] = {}
+        for name, limit in self._signature_limits.items():
+            try:
+                stored[name] = read_regular(entry / name, f"cached signature {name}", limit)
+            except FileNotFoundError:
+                stored[name] = None
+        return stored
 
-    def _check_signature_of_hit(
+    def _read_signatures(self, source: ArtifactSource) -> dict[str, bytes | None]:
+        return {
+            name: source.read_small(name, limit=limit)
+            for name, limit in self._signature_limits.items()
+        }
+
+    def _check_signatures_of_hit(
         self,
         manifest: Manifest,
         manifest_bytes: bytes,
-        stored_signature: bytes | None,
+        stored: dict[str, bytes | None],
         manifest_uri: str | None,
-    ) -> None:
-        """ArtifactRejected ``signature`` unless the manifest of a hit verifies with the trust
-        key: with the signature stored in the entry, else with the one the source holds now
-        (the manifest bytes are pinned by digest; a signature added or renewed at the source
-        after the entry was published, e.g. on key rotation, is as good)."""
-        assert self._trust_key is not None
+    ) -> str:
+        """The mode of the trusted signature over a hit: one stored in the entry, else one the
+        source holds now (the manifest bytes are pinned by digest; a signature added or renewed
+        at the source after the entry was published, e.g. on key rotation, is as good).
+        ArtifactRejected ``signature`` when neither verifies."""
+        assert self._trust is not None
         try:
-            verify_manifest_signature(manifest_bytes, stored_signature, self._trust_key)
-            return
+            return self._trust.verify(manifest_bytes, manifest, stored)
         except ArtifactRejected as exc:
             stored_failure = ArtifactRejected(
                 "signature", f"cached copy: {exc.detail}", artifact_id=manifest.artifact_id
             )
         if manifest_uri is None:
             raise stored_failure
-        current = ArtifactSource(manifest_uri, self.fetch).read_small(
-            SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES
-        )
-        if current is None or current == stored_signature:
+        current = self._read_signatures(ArtifactSource(manifest_uri, self.fetch))
+        if current == stored:
             raise stored_failure
         try:
-            verify_manifest_signature(manifest_bytes, current, self._trust_key)
+            return self._trust.verify(manifest_bytes, manifest, current)
         except ArtifactRejected as exc:
             raise ArtifactRejected(
-                "signature", exc.detail, artifact_id=manifest.artifact_id
+                "signature",
+                f"{stored_failure.detail}; at the source: {exc.detail}",
+                artifact_id=manifest.artifact_id,
             ) from None
 
     @staticmethod
@@ -643,7 +670,8 @@ class ArtifactCache:
                 raise ArtifactRejected("path", f"{entry.path!r} is not a regular file")
             stored[entry.path] = entry.size
         stored.pop(MANIFEST_NAME, None)
-        stored.pop(SIGNATURE_NAME, None)
+        for name in self._signature_limits:
+            stored.pop(name, None)
         listed = {item.path: item for item in manifest.files}
         extra = sorted(set(stored) - set(listed))
         if extra:
@@ -687,10 +715,11 @@ class ArtifactCache:
         if manifest_bytes is None:
             raise ArtifactRejected("missing", f"no manifest at {redact_uri(manifest_uri)}")
         manifest = parse_manifest(manifest_bytes, digest)
-        signature = source.read_small(SIGNATURE_NAME, limit=MAX_SIGNATURE_BYTES)
+        signatures = self._read_signatures(source)
+        signature = None
         try:
-            if self._trust_key is not None:
-                verify_manifest_signature(manifest_bytes, signature, self._trust_key)
+            if self._trust is not None:
+                signature = self._trust.verify(manifest_bytes, manifest, signatures)
             self._check_limits(manifest)
             self._check_listing(source, manifest)
         except ArtifactRejected as exc:
@@ -708,8 +737,9 @@ class ArtifactCache:
             )
             fetched = time.monotonic()
             self._write_synced(tmp / MANIFEST_NAME, manifest_bytes)
-            if signature is not None:
-                self._write_synced(tmp / SIGNATURE_NAME, signature)
+            for name, data in signatures.items():
+                if data is not None:
+                    self._write_synced(tmp / name, data)
             marker = {
                 "manifest_sha256": digest,
                 "artifact_id": manifest.artifact_id,
@@ -749,6 +779,7 @@ class ArtifactCache:
             digest,
             cached=False,
             timings={"fetch_s": fetched - started, "publish_s": done - fetched},
+            signature=signature,
         )
 
     @staticmethod

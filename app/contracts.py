@@ -276,6 +276,68 @@ class FaultInjection(Contract):
     error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
 
 
+MAX_TRUST_ANCHORS: Final = 16
+# Names the manifest, the project's signature and the cache's marker already take.
+_RESERVED_SIGNATURE_FILES: Final = frozenset(
+    {"manifest.json", "manifest.json.sig", ".complete.json"}
+)
+
+
+def _signature_file_name(value: str) -> str:
+    if value in _RESERVED_SIGNATURE_FILES or value.startswith("."):
+        raise ValueError(f"{value!r} is a name the artifact format reserves")
+    return value
+
+
+class KeylessSigner(Contract):
+    """A Sigstore keyless signer: the identity its short-lived certificate names (an e-mail,
+    or a CI workflow's URI) and the OIDC issuer that vouched for it."""
+
+    identity: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+    oidc_issuer: Annotated[
+        str, StringConstraints(min_length=9, max_length=1000, pattern=r"^https://")
+    ]
+
+
+class SignatureTrust(Contract):
+    """Which signatures make an artifact acceptable.
+
+    With any anchor named, an artifact must carry a signature that verifies with one of them
+    (modes side by side: during a move from the project's ed25519 signatures to OpenSSF ones,
+    name both keys); with none, signatures are not checked.
+
+    - ``keys``: PEM public keys. An ed25519 key accepts the project's signature over the
+      manifest bytes (``manifest.json.sig``); an EC P-256/P-384/P-521 key accepts an OpenSSF
+      model signature made with its private key (key mode).
+    - ``certificate_chains``: PEM files of CA certificates; an OpenSSF signature whose signing
+      certificate chains to them (certificate mode) is accepted.
+    - ``keyless``: Sigstore identities whose keyless OpenSSF signatures are accepted, checked
+      against ``sigstore_trust_config`` (a Sigstore ClientTrustConfig JSON file: offline), or
+      without one against Sigstore's public-good instance (its trust root fetched online).
+    - ``signature_file``: where an OpenSSF signature lies in the artifact directory.
+    """
+
+    keys: Annotated[list[PathText], Field(max_length=MAX_TRUST_ANCHORS)] = []
+    certificate_chains: Annotated[list[PathText], Field(max_length=MAX_TRUST_ANCHORS)] = []
+    keyless: Annotated[list[KeylessSigner], Field(max_length=MAX_TRUST_ANCHORS)] = []
+    sigstore_trust_config: PathText | None = None
+    signature_file: Annotated[
+        str,
+        StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$"),
+        AfterValidator(_signature_file_name),
+    ] = "model.sig"
+
+    @property
+    def has_anchors(self) -> bool:
+        return bool(self.keys or self.certificate_chains or self.keyless)
+
+    def with_key(self, key: str | None) -> SignatureTrust:
+        """This trust with ``key`` (the ``trust_key`` shorthand) among its keys."""
+        if key is None or key in self.keys:
+            return self
+        return self.model_copy(update={"keys": [key, *self.keys]})
+
+
 class ReplicaConfig(Contract):
     """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
 
@@ -285,7 +347,10 @@ class ReplicaConfig(Contract):
     memory: MemoryConfig = MemoryConfig()
     loading: LoadingConfig = LoadingConfig()
     retry: RetryConfig = RetryConfig()
-    trust_key: PathText | None = None  # the public key manifests must be signed with
+    # The public key artifacts must be signed with (ed25519: the project's signature; EC: an
+    # OpenSSF one): shorthand for one entry of ``trust.keys``.
+    trust_key: PathText | None = None
+    trust: SignatureTrust = SignatureTrust()
     controller: ControllerRef | None = None
     cache_dir: PathText = "var/cache"
     cache_byte_budget: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None
@@ -295,6 +360,11 @@ class ReplicaConfig(Contract):
     @classmethod
     def from_user_config(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
         return cls.parse(raw, where="user_config")
+
+    @property
+    def signature_trust(self) -> SignatureTrust:
+        """``trust`` with the ``trust_key`` shorthand folded in."""
+        return self.trust.with_key(self.trust_key)
 
     def with_target(self, target: Target | None) -> ReplicaConfig:
         """This config with ``target``. The target counts as given in full (defaults
@@ -377,7 +447,8 @@ class AppArgs(Contract):
     memory: MemoryConfig = MemoryConfig()
     loading: LoadingConfig = LoadingConfig()
     retry: RetryConfig = RetryConfig()
-    trust_key: PathText | None = None
+    trust_key: PathText | None = None  # see ReplicaConfig.trust_key
+    trust: SignatureTrust = SignatureTrust()
     controller: ControllerRef | None = None
     report_interval_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     demo_artifacts_dir: PathText | None = None  # local only; see CohortArgs.demo_artifact

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from app.artifact_store import manifest_uri_for
@@ -25,7 +27,9 @@ from app.manifest import (
     check_file_paths,
     sha256_hex,
 )
-from app.signing import sign_manifest
+from app.openssf_signing import DEFAULT_SIGNATURE_FILE, sign_directory
+from app.signing import load_signing_key, sign_manifest
+from app.trust import directory_digests
 
 # Files of the source directory that describe the artifact rather than belong to it.
 ARCHITECTURE_FILE: Final = "architecture.json"
@@ -110,11 +114,16 @@ def pack_artifact(
     architecture: Architecture | None = None,
     metadata: dict[str, Any] | None = None,
     sign_key: Path | None = None,
+    signature_file: str = DEFAULT_SIGNATURE_FILE,
 ) -> PackResult:
     """Copy every regular file of ``src_dir`` into ``out_dir`` and write ``manifest.json``.
 
     ``architecture.json`` and ``metadata.json`` in ``src_dir`` describe the artifact and are
     folded into the manifest instead of being copied. ``out_dir`` must not exist or be empty.
+
+    ``sign_key``: an ed25519 key writes the project's ``manifest.json.sig``; an EC key an
+    OpenSSF model signature (``signature_file``) over the directory, with the digests just
+    computed while copying (the files are not read again).
     """
     src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
     if not src_dir.is_dir():
@@ -148,6 +157,11 @@ def pack_artifact(
         raise ConfigError(f"SRC_DIR: {src_dir} holds no model files")
     if MANIFEST_NAME in payload or SIGNATURE_NAME in payload:
         raise ConfigError(f"SRC_DIR: {src_dir} already holds a manifest; pack a source tree")
+    key = load_signing_key(sign_key) if sign_key is not None else None  # before any copy
+    if isinstance(key, EllipticCurvePrivateKey) and signature_file in payload:
+        raise ConfigError(
+            f"SRC_DIR: {src_dir} holds {signature_file!r}, the name of the signature to write"
+        )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -173,8 +187,12 @@ def pack_artifact(
         check_file_paths(manifest)
         manifest_bytes = manifest.to_bytes()
         (out_dir / MANIFEST_NAME).write_bytes(manifest_bytes)
-        if sign_key is not None:
-            (out_dir / SIGNATURE_NAME).write_bytes(sign_manifest(manifest_bytes, sign_key))
+        if isinstance(key, Ed25519PrivateKey):
+            (out_dir / SIGNATURE_NAME).write_bytes(sign_manifest(manifest_bytes, key))
+        elif key is not None:
+            assert sign_key is not None
+            digests = directory_digests(manifest_bytes, manifest, project_signature=None)
+            sign_directory(out_dir, sign_key, digests, signature_file)
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise

@@ -56,6 +56,7 @@ from app.contracts import (
     MemoryFigures,
     ModelMeta,
     ReplicaConfig,
+    SignatureTrust,
     Target,
     WireAnswer,
     WireRequest,
@@ -83,6 +84,8 @@ from app.reconciler import (
 )
 from app.reporting import NullObserver, ReplicaObserver, Reporter, SinkFactory
 from app.safe_text import redact_in
+from app.signing import load_trusted_key
+from app.trust import TrustPolicy
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,9 @@ class RankerReplica:
         self._device = device or default_device()
         self._config: ReplicaConfig | None = None
         self._cache: ArtifactCache | None = None
-        self._cache_key: tuple[str, int | None, str | None, FetchConfig] | None = None
+        self._cache_key: tuple[str, int | None, str | None, SignatureTrust, FetchConfig] | None = (
+            None
+        )
         # The holder's cleanup is the loader's, which knows each generation's cache lease.
         self._holder = GenerationHolder(
             cleanup=lambda generation: self._loader.clean_up(generation)
@@ -179,26 +184,44 @@ class RankerReplica:
         return self._config is not None
 
     @staticmethod
-    def _cache_key_of(cfg: ReplicaConfig) -> tuple[str, int | None, str | None, FetchConfig]:
-        return (cfg.cache_dir, cfg.cache_byte_budget, cfg.trust_key, cfg.loading.fetch)
+    def _cache_key_of(
+        cfg: ReplicaConfig,
+    ) -> tuple[str, int | None, str | None, SignatureTrust, FetchConfig]:
+        return (
+            cfg.cache_dir,
+            cfg.cache_byte_budget,
+            cfg.trust_key,
+            cfg.trust,
+            cfg.loading.fetch,
+        )
 
     def _cache_for(self, cfg: ReplicaConfig) -> ArtifactCache:
         """The cache ``cfg`` names, opened now so that a directory that is not a cache or a
-        trust key that cannot be read refuses the config (ConfigError naming the field) instead
-        of failing the next load."""
+        trust anchor that cannot be read refuses the config (ConfigError naming the field)
+        instead of failing the next load."""
         if self._cache is not None and self._cache_key == self._cache_key_of(cfg):
             return self._cache
+        if cfg.trust_key is not None:
+            # The shorthand is named as such when its key cannot be used.
+            try:
+                load_trusted_key(Path(cfg.trust_key))
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"user_config.trust_key: {exc}", field="user_config.trust_key"
+                ) from exc
+        trust = TrustPolicy.of(cfg.signature_trust, field="user_config.trust")
         try:
             return ArtifactCache(
                 Path(cfg.cache_dir),
                 byte_budget=cfg.cache_byte_budget,
-                trust_key=cfg.trust_key,
+                trust=trust,
                 fetch=cfg.loading.fetch,
             )
         except ConfigError as exc:
-            # The cache names its directory's errors; the only other one is the key's.
-            field = "cache_dir" if exc.ids.get("field") == "cache_dir" else "trust_key"
-            raise ConfigError(f"user_config.{field}: {exc}", field=f"user_config.{field}") from exc
+            # The cache names its directory's errors; the policy was built above.
+            raise ConfigError(
+                f"user_config.cache_dir: {exc}", field="user_config.cache_dir"
+            ) from exc
 
     def _get_cache(self) -> ArtifactCache:
         cache = self._cache

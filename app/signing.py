@@ -1,12 +1,13 @@
-"""Detached ed25519 signatures over the manifest bytes.
+"""Signing keys, and the project's own detached ed25519 signatures over the manifest bytes.
 
-Why `cryptography` and not OpenSSF model-signing: a manifest already lists every file with its
-SHA-256, so a signature over the manifest bytes covers the whole artifact; model-signing would
-re-hash the files in its own format and its default flows lean on Sigstore's online services.
-`cryptography` is a small, well-kept wheel that works fully offline with a local key.
+Two kinds of key: ed25519 for the project's signature (a manifest lists every file with its
+SHA-256, so a signature over the manifest bytes covers the whole artifact; ``cryptography``,
+fully offline), and EC P-256/P-384/P-521 for OpenSSF model signatures (app.openssf_signing),
+the format the ecosystem's tools check. The kind of a key decides which signature it makes
+(``rollout pack --sign-key``) and which it accepts (``trust.keys``).
 
-Keys are PEM files: PKCS#8 private keys, SubjectPublicKeyInfo public keys. The signature file
-(`manifest.json.sig`) holds the base64 of the 64-byte raw signature and a newline.
+Keys are PEM files: PKCS#8 private keys, SubjectPublicKeyInfo public keys. The project's
+signature file (`manifest.json.sig`) holds the base64 of the 64-byte raw signature and a newline.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import binascii
 import os
 import stat
 from pathlib import Path
+from typing import Final, Literal
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from app.errors import ArtifactRejected, ConfigError
@@ -30,9 +33,15 @@ PRIVATE_KEY_MODE = 0o600
 PUBLIC_KEY_MODE = 0o644
 # A PEM ed25519 key is ~120 bytes; anything near this is not a key (``/dev/zero``, a dataset).
 MAX_KEY_FILE_BYTES = 64 * 1024
+KeyKind = Literal["ed25519", "ec-p256"]
+KEY_KINDS: Final[tuple[KeyKind, ...]] = ("ec-p256", "ed25519")
+# Curves OpenSSF key and certificate modes sign with (Sigstore's protobuf specs).
+OPENSSF_CURVES: Final = frozenset({"secp256r1", "secp384r1", "secp521r1"})
+SigningKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+TrustedKey = Ed25519PublicKey | ec.EllipticCurvePublicKey
 
 
-def _read_key_file(path: Path, what: str) -> bytes:
+def read_key_file(path: Path, what: str) -> bytes:
     """The bytes of a key file: a regular file (symlinks followed, as mounted secrets are), of
     bounded size, opened without blocking so a FIFO or device named by mistake (in a
     user_config's ``trust_key`` too) is refused instead of hanging or filling memory."""
@@ -74,8 +83,9 @@ def _write_and_close(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def generate_keypair(private_path: Path, public_path: Path) -> None:
-    """Write a new ed25519 key pair; ConfigError if either path exists (or is a symlink).
+def generate_keypair(private_path: Path, public_path: Path, kind: KeyKind = "ed25519") -> None:
+    """Write a new key pair (``ed25519``: the project's signatures; ``ec-p256``: OpenSSF
+    ones); ConfigError if either path exists (or is a symlink).
 
     Both files are created before anything is written, so a refusal leaves nothing behind."""
     private_fd = _create_key_file(private_path, PRIVATE_KEY_MODE)
@@ -85,7 +95,11 @@ def generate_keypair(private_path: Path, public_path: Path) -> None:
         os.close(private_fd)
         private_path.unlink()
         raise
-    key = Ed25519PrivateKey.generate()
+    key: SigningKey = (
+        Ed25519PrivateKey.generate()
+        if kind == "ed25519"
+        else ec.generate_private_key(ec.SECP256R1())
+    )
     private_pem = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -109,19 +123,58 @@ def generate_keypair(private_path: Path, public_path: Path) -> None:
         raise
 
 
-def _load_private(path: Path) -> Ed25519PrivateKey:
+def _key_kind(key: object) -> str:
+    return (
+        key.curve.name
+        if isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey)
+        else type(key).__name__
+    )
+
+
+def load_signing_key(path: Path) -> SigningKey:
+    """A PEM private key that signs artifacts: ed25519 (the project's signature) or EC
+    P-256/P-384/P-521 (an OpenSSF one). ConfigError for anything else."""
     try:
-        key = serialization.load_pem_private_key(_read_key_file(path, "sign key"), password=None)
-    except (OSError, ValueError, TypeError) as exc:
+        key = serialization.load_pem_private_key(read_key_file(path, "sign key"), password=None)
+    except (ValueError, TypeError) as exc:
         raise ConfigError(f"sign key {path}: not a readable PEM private key ({exc})") from exc
+    if isinstance(key, Ed25519PrivateKey):
+        return key
+    if isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in OPENSSF_CURVES:
+        return key
+    raise ConfigError(
+        f"sign key {path}: a {_key_kind(key)} key; accepted are ed25519 (the project's "
+        "signature) and EC P-256/P-384/P-521 (an OpenSSF model signature)"
+    )
+
+
+def _load_private(path: Path) -> Ed25519PrivateKey:
+    key = load_signing_key(path)
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigError(f"sign key {path}: not an ed25519 key")
     return key
 
 
+def load_trusted_key(path: Path, what: str = "trust key") -> TrustedKey:
+    """A PEM public key this service verifies with: ed25519 (the project's signatures) or EC
+    P-256/P-384/P-521 (OpenSSF key mode). ConfigError for anything else."""
+    try:
+        key = serialization.load_pem_public_key(read_key_file(path, what))
+    except ValueError as exc:
+        raise ConfigError(f"{what} {path}: not a readable PEM public key ({exc})") from exc
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in OPENSSF_CURVES:
+        return key
+    raise ConfigError(
+        f"{what} {path}: a {_key_kind(key)} key; accepted are ed25519 (the project's "
+        "signatures) and EC P-256/P-384/P-521 (OpenSSF model signatures)"
+    )
+
+
 def load_public_key(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(_read_key_file(path, "trust key"))
+        key = serialization.load_pem_public_key(read_key_file(path, "trust key"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"trust key {path}: not a readable PEM public key ({exc})") from exc
     if not isinstance(key, Ed25519PublicKey):
@@ -129,9 +182,10 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     return key
 
 
-def sign_manifest(manifest_bytes: bytes, private_key_path: Path) -> bytes:
-    """Return the contents of the detached signature file."""
-    signature = _load_private(private_key_path).sign(manifest_bytes)
+def sign_manifest(manifest_bytes: bytes, private_key: Path | Ed25519PrivateKey) -> bytes:
+    """Return the contents of the project's detached signature file."""
+    key = private_key if isinstance(private_key, Ed25519PrivateKey) else _load_private(private_key)
+    signature = key.sign(manifest_bytes)
     return base64.b64encode(signature) + b"\n"
 
 

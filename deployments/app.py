@@ -29,6 +29,7 @@ from app.contracts import (
     CohortArgs,
     FaultInjection,
     ReplicaConfig,
+    SignatureTrust,
     Target,
 )
 from app.errors import ConfigError
@@ -67,6 +68,22 @@ def resolve_target(cohort: CohortArgs, args: AppArgs, field: str) -> Target | No
     )
 
 
+def _resolved_trust(trust: SignatureTrust) -> SignatureTrust:
+    """``trust`` with its files' relative paths resolved against the project root."""
+
+    def resolved(paths: list[str]) -> list[str]:
+        return [str(project_path(p)) for p in paths]
+
+    config = trust.sigstore_trust_config
+    return trust.model_copy(
+        update={
+            "keys": resolved(trust.keys),
+            "certificate_chains": resolved(trust.certificate_chains),
+            "sigstore_trust_config": str(project_path(config)) if config else None,
+        }
+    )
+
+
 def replica_config(
     args: AppArgs,
     cohort: Cohort,
@@ -81,6 +98,7 @@ def replica_config(
         loading=args.loading,
         retry=args.retry,
         trust_key=str(project_path(args.trust_key)) if args.trust_key else None,
+        trust=_resolved_trust(args.trust),
         controller=args.controller,
         cache_dir=str(project_path(args.cache_dir)),
         cache_byte_budget=args.cache_byte_budget,

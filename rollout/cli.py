@@ -40,7 +40,15 @@ from app.errors import (
 )
 from app.manifest import Architecture, is_sha256_hex
 from app.safe_text import redact_in, redact_uri, terminal_safe
-from rollout.cli_options import LIST_LIMIT, Seconds, actor_option, reason_option
+from app.signing import KEY_KINDS, KeyKind
+from rollout.cli_options import (
+    LIST_LIMIT,
+    Seconds,
+    actor_option,
+    reason_option,
+    trust_from_options,
+    trust_options,
+)
 from rollout.cluster import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from rollout.exit_codes import (
     EXIT_OK,
@@ -89,7 +97,18 @@ def cli() -> None:
     "architecture_json",
     help="Architecture as JSON ({name, version, params}); default: SRC_DIR/architecture.json.",
 )
-@click.option("--sign-key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--sign-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Sign with this private key (PEM): EC P-256/384/521 writes an OpenSSF model signature "
+    "(--signature-file), ed25519 the project's manifest.json.sig.",
+)
+@click.option(
+    "--signature-file",
+    default="model.sig",
+    show_default=True,
+    help="Name of the OpenSSF signature file in the artifact directory.",
+)
 def pack(
     src_dir: Path,
     model: str,
@@ -100,6 +119,7 @@ def pack(
     precision: str,
     architecture_json: str | None,
     sign_key: Path | None,
+    signature_file: str,
 ) -> None:
     """Pack SRC_DIR into an immutable artifact directory with a manifest."""
     from app.packing import pack_artifact
@@ -120,6 +140,7 @@ def pack(
         precision=precision,
         architecture=architecture,
         sign_key=sign_key,
+        signature_file=signature_file,
     )
     emit(result.as_json())
 
@@ -144,7 +165,7 @@ def _redacting(*uris: str) -> Iterator[None]:
 @click.argument("manifest_uri")
 @click.option("--sha256", "manifest_sha256", required=True, callback=_sha256_option)
 @click.option("--cache", "cache_dir", default=DEFAULT_CACHE_DIR, show_default=True)
-@click.option("--trust-key", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@trust_options
 @click.option("--load", is_flag=True, help="Also build, strictly load and dry-run the model.")
 @click.option(
     "--memory-budget",
@@ -162,19 +183,21 @@ def verify(
     manifest_uri: str,
     manifest_sha256: str,
     cache_dir: str,
-    trust_key: Path | None,
     load: bool,
     memory_budget: int | None,
     model: str,
+    **trust_args: Any,
 ) -> None:
     """Fetch MANIFEST_URI into the verified cache and check every file and that this service
     can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
     from app.cache import ArtifactCache
     from app.loader import check_compatibility
+    from app.trust import TrustPolicy
 
+    trust = trust_from_options(trust_args)
     started = time.monotonic()
     with _redacting(manifest_uri):
-        cache = ArtifactCache(cache_dir, trust_key=trust_key)
+        cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
         artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
         # What the manifest says decides whether the service could ever serve it: no weights
         # need loading to refuse an unknown runtime, schema, precision or architecture.
@@ -191,6 +214,7 @@ def verify(
         "cache_path": str(artifact.path),
         "bytes": artifact.total_bytes,
         "cached": artifact.cached,
+        "signature": artifact.signature,
     }
     if load:
         from app.loader import load_verified
@@ -223,15 +247,23 @@ def make_demo_artifacts_command(out_dir: Path) -> None:
 @cli.command()
 @click.argument("private_key", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("public_key", type=click.Path(dir_okay=False, path_type=Path))
-def keygen(private_key: Path, public_key: Path) -> None:
-    """Write an ed25519 key pair for signing manifests (PEM)."""
+@click.option(
+    "--kind",
+    type=click.Choice(KEY_KINDS),
+    default="ec-p256",
+    show_default=True,
+    help="ec-p256: OpenSSF model signatures, which the ecosystem's tools check; ed25519: the "
+    "project's own signature over manifest.json.",
+)
+def keygen(private_key: Path, public_key: Path, kind: KeyKind) -> None:
+    """Write a key pair for signing artifacts (PEM; the private key with mode 0600)."""
     from app.signing import generate_keypair
 
     for path in (private_key, public_key):
         if path.exists() or path.is_symlink():  # a dangling symlink "exists" as a link
             raise click.BadParameter(f"{path} exists; refusing to overwrite a key")
-    generate_keypair(private_key, public_key)
-    emit({"private_key": str(private_key), "public_key": str(public_key)})
+    generate_keypair(private_key, public_key, kind)
+    emit({"private_key": str(private_key), "public_key": str(public_key), "kind": kind})
 
 
 # ---------------------------------------------------------------------- rollouts

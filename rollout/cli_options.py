@@ -11,8 +11,9 @@ import os
 from typing import Any, Final
 
 import click
+from pydantic import ValidationError
 
-from app.contracts import MAX_TEXT
+from app.contracts import MAX_TEXT, KeylessSigner, SignatureTrust
 from app.safe_text import terminal_safe
 
 MAX_REASON: Final = MAX_TEXT  # what a rollout event and an audit row keep
@@ -86,3 +87,98 @@ actor_option = click.option(
     show_default="$ROLLOUT_ACTOR or the login name",
     help="Who does this (recorded).",
 )
+
+
+_TRUST_PARAMS: Final = (
+    "trust_keys",
+    "trust_cert_chains",
+    "trust_identities",
+    "trust_issuers",
+    "sigstore_trust_config",
+    "signature_file",
+)
+
+
+def trust_options(func: Any) -> Any:
+    """The ``--trust-*`` options of the commands that check signatures (``verify``,
+    ``registry register``); the command receives them as one ``trust`` (a SignatureTrust)."""
+    existing = click.Path(exists=True, dir_okay=False)
+    options = [
+        click.option(
+            "--trust-key",
+            "trust_keys",
+            multiple=True,
+            type=existing,
+            help="A public key (PEM) artifacts may be signed with: ed25519 (the project's "
+            "signature) or EC P-256/384/521 (OpenSSF key mode). Repeatable.",
+        ),
+        click.option(
+            "--trust-cert-chain",
+            "trust_cert_chains",
+            multiple=True,
+            type=existing,
+            help="CA certificates (PEM) an OpenSSF certificate-mode signature must chain to.",
+        ),
+        click.option(
+            "--trust-identity",
+            "trust_identities",
+            multiple=True,
+            help="A Sigstore keyless signer's identity (with --trust-issuer). Repeatable.",
+        ),
+        click.option(
+            "--trust-issuer",
+            "trust_issuers",
+            multiple=True,
+            help="The OIDC issuer of the --trust-identity at the same position.",
+        ),
+        click.option(
+            "--sigstore-trust-config",
+            type=existing,
+            default=None,
+            help="A Sigstore ClientTrustConfig JSON to check keyless signatures offline "
+            "(default: Sigstore's public-good instance, online).",
+        ),
+        click.option(
+            "--signature-file",
+            default="model.sig",
+            show_default=True,
+            help="Where an OpenSSF signature lies in the artifact directory.",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def trust_from_options(params: dict[str, Any]) -> SignatureTrust:
+    """The ``--trust-*`` values of a command's ``params`` as a SignatureTrust; a bad
+    combination is a usage error naming the option."""
+    values = {name: params[name] for name in _TRUST_PARAMS}
+    identities, issuers = values["trust_identities"], values["trust_issuers"]
+    if len(identities) != len(issuers):
+        raise click.BadParameter(
+            f"{len(identities)} identities and {len(issuers)} issuers: give one --trust-issuer "
+            "per --trust-identity",
+            param_hint="--trust-issuer",
+        )
+    try:
+        keyless = [
+            KeylessSigner(identity=identity, oidc_issuer=issuer)
+            for identity, issuer in zip(identities, issuers, strict=True)
+        ]
+        return SignatureTrust(
+            keys=list(values["trust_keys"]),
+            certificate_chains=list(values["trust_cert_chains"]),
+            keyless=keyless,
+            sigstore_trust_config=values["sigstore_trust_config"],
+            signature_file=values["signature_file"],
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = str(first["loc"][0]) if first.get("loc") else "trust"
+        hint = {
+            "identity": "--trust-identity",
+            "oidc_issuer": "--trust-issuer",
+            "signature_file": "--signature-file",
+        }.get(where, "--trust-*")
+        raise click.BadParameter(str(first.get("msg")), param_hint=hint) from None

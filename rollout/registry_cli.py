@@ -33,7 +33,15 @@ from app.registry import (
 )
 from app.registry.base import ArtifactAuditEntry, RegistryAccess
 from app.safe_text import redact_in, redact_uri, terminal_safe
-from rollout.cli_options import LIST_LIMIT, REVISION, actor_option, check_reason, reason_option
+from rollout.cli_options import (
+    LIST_LIMIT,
+    REVISION,
+    actor_option,
+    check_reason,
+    reason_option,
+    trust_from_options,
+    trust_options,
+)
 from rollout.exit_codes import EXIT_REJECTED, error_line, exit_code_for
 
 
@@ -220,19 +228,46 @@ def migrate_command(session: _Session) -> None:
 @click.option("--sha256", "sha256", required=True, callback=_check_sha256,
               help="Pinned SHA-256 of the manifest bytes.")  # fmt: skip
 @click.option("--ready", is_flag=True, help="Register as ready (skip the approval step).")
+@click.option(
+    "--require-signature",
+    is_flag=True,
+    help="Refuse to register without a trusted signature over the artifact (needs a --trust-* "
+    "anchor; anchors given without this flag are checked too).",
+)
+@trust_options
 @actor_option
 @click.pass_obj
 def register_command(
-    session: _Session, manifest_uri: str, sha256: str, ready: bool, actor: str
+    session: _Session,
+    manifest_uri: str,
+    sha256: str,
+    ready: bool,
+    require_signature: bool,
+    actor: str,
+    **trust_args: Any,
 ) -> None:
     """Register the artifact whose manifest is at MANIFEST_URI.
 
     Model and artifact id come from the manifest (not from --model). Registering the same
     artifact with the same digest again is a no-op. What this service could never serve
-    (runtime, feature schema, precision, architecture) is refused (exit 3)."""
+    (runtime, feature schema, precision, architecture) is refused (exit 3), and so is, with a
+    --trust-* anchor, an artifact without a signature the anchors accept (checked as replicas
+    check it: the manifest and its signature files are read, no weights)."""
     from app.loader import check_compatibility  # torch: only for the command that needs it
+    from app.trust import TrustPolicy, verify_at_source
 
     session.secret_uris.append(manifest_uri)
+    trust = trust_from_options(trust_args)
+    if require_signature and not trust.has_anchors:
+        raise click.UsageError(
+            "--require-signature needs a trust anchor: --trust-key, --trust-cert-chain or "
+            "--trust-identity with --trust-issuer"
+        )
+    metadata: dict[str, Any] = {}
+    if trust.has_anchors:
+        policy = TrustPolicy(trust, cli=True)
+        _, mode = verify_at_source(policy, manifest_uri, sha256)
+        metadata["registered_signature"] = mode  # the registry row says what was checked
 
     def servable(manifest: Manifest) -> None:
         # The artifact is registered under the manifest's model: one of another model than
@@ -252,6 +287,7 @@ def register_command(
         state="ready" if ready else "pending",
         accept=servable,
         actor=actor,
+        metadata=metadata or None,
     )
     _show_artifacts(session, [record])
 

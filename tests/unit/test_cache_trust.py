@@ -1,6 +1,7 @@
 """A trust key is honoured on cache hits too: an entry that a keyless process (or `rollout
 verify` without `--trust-key`) put in the node cache is not served to a process that requires
-signatures unless its manifest signature verifies with that key."""
+signatures unless a signature of it verifies with that key: the project's ed25519 signature of
+the manifest, or an OpenSSF model signature of the directory."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from app.cache import ArtifactCache
 from app.errors import ArtifactRejected
-from app.manifest import SIGNATURE_NAME
+from app.manifest import SIGNATURE_NAME, parse_manifest
 from app.signing import generate_keypair, sign_manifest
 from tests.artifacts import good_artifact
 from tests.file_artifacts import make_file_artifact
@@ -106,3 +107,73 @@ def test_rollout_verify_with_trust_key_refuses_what_a_keyless_verify_cached(keys
     assert second.returncode == 3, (second.stdout, second.stderr)
     assert second.stderr.strip().startswith("rejected: signature: "), second.stderr
     assert "Traceback" not in second.stderr
+
+
+# --------------------------------------------------------------------------- OpenSSF signatures
+
+
+@pytest.fixture
+def ec_keys(tmp_path: Path) -> Path:
+    generate_keypair(tmp_path / "ec.pem", tmp_path / "ec.pub", kind="ec-p256")
+    generate_keypair(tmp_path / "other-ec.pem", tmp_path / "other-ec.pub", kind="ec-p256")
+    return tmp_path
+
+
+def test_an_openssf_signature_is_checked_on_every_hit(ec_keys, tmp_path):
+    art = make_file_artifact(tmp_path, PAYLOAD, "openssf-1", sign_key=ec_keys / "ec.pem")
+    root = tmp_path / "cache"
+    # A consumer that checks no signature caches it (model.sig is not an unlisted extra file).
+    first = ArtifactCache(root).fetch_verified(art.manifest_uri, art.manifest_sha256)
+    assert first.signature is None and (first.path / "model.sig").is_file()
+    got = ArtifactCache(root, trust_key=ec_keys / "ec.pub").fetch_verified(
+        art.manifest_uri, art.manifest_sha256
+    )
+    assert got.cached and got.signature == "openssf-key"
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(root, trust_key=ec_keys / "other-ec.pub").fetch_verified(
+            art.manifest_uri, art.manifest_sha256
+        )
+    assert info.value.category == "signature" and "Key mismatch" in info.value.detail
+
+
+def test_a_replaced_openssf_signature_in_the_entry_is_refused_unless_the_source_holds_a_good_one(
+    ec_keys, tmp_path
+):
+    art = make_file_artifact(tmp_path, PAYLOAD, "openssf-2", sign_key=ec_keys / "ec.pem")
+    other = make_file_artifact(tmp_path, PAYLOAD, "openssf-3", sign_key=ec_keys / "ec.pem")
+    root = tmp_path / "cache"
+    entry = ArtifactCache(root).fetch_verified(art.manifest_uri, art.manifest_sha256).path
+    # A valid bundle of the same key, but over another artifact's manifest.
+    (entry / "model.sig").chmod(0o644)
+    (entry / "model.sig").write_bytes((other.out_dir / "model.sig").read_bytes())
+    trusting = ArtifactCache(root, trust_key=ec_keys / "ec.pub")
+    # The source still holds the right one: the hit is served, checked with it.
+    got = trusting.fetch_verified(art.manifest_uri, art.manifest_sha256)
+    assert got.cached and got.signature == "openssf-key"
+    (art.out_dir / "model.sig").unlink()
+    with pytest.raises(ArtifactRejected) as info:
+        trusting.fetch_verified(art.manifest_uri, art.manifest_sha256)
+    assert info.value.category == "signature"
+    assert info.value.detail.startswith(
+        "cached copy: openssf-key (key ec.pub): Signature mismatch"
+    ), info.value.detail
+    assert "; at the source: the artifact is unsigned (no model.sig)" in info.value.detail
+
+
+def test_an_openssf_signature_added_at_the_source_later_is_accepted_without_refetching(
+    ec_keys, tmp_path
+):
+    from app.openssf_signing import sign_directory
+    from app.trust import directory_digests
+
+    art = make_file_artifact(tmp_path, PAYLOAD, "openssf-late")
+    root = tmp_path / "cache"
+    ArtifactCache(root).fetch_verified(art.manifest_uri, art.manifest_sha256)
+    manifest_bytes = (art.out_dir / "manifest.json").read_bytes()
+    manifest = parse_manifest(manifest_bytes, art.manifest_sha256)
+    digests = directory_digests(manifest_bytes, manifest, project_signature=None)
+    sign_directory(art.out_dir, ec_keys / "ec.pem", digests, "model.sig")
+    got = ArtifactCache(root, trust_key=ec_keys / "ec.pub").fetch_verified(
+        art.manifest_uri, art.manifest_sha256
+    )
+    assert got.cached and got.signature == "openssf-key"

@@ -354,3 +354,73 @@ def test_a_cache_setting_the_replica_cannot_use_is_refused_with_the_config(
     assert err.field == f"user_config.{setting}", err
     assert (not_a_cache / "tmp" / "notes.txt").read_text() == "keep me"
     assert serving.rank([request()]).model.artifact_id == "ranker-v42"
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+@pytest.fixture(scope="module")
+def openssf_signed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An EC key pair and two rankers packed with an OpenSSF signature of that key."""
+    from app.demo_artifacts import write_ranker_source
+    from app.packing import pack_artifact
+    from app.signing import generate_keypair
+
+    root = tmp_path_factory.mktemp("openssf")
+    generate_keypair(root / "ec.pem", root / "ec.pub", kind="ec-p256")
+    packed = {}
+    for seed, artifact_id in ((1, "ranker-signed-a"), (2, "ranker-signed-b")):
+        write_ranker_source(root / f"src-{artifact_id}", seed=seed)
+        packed[artifact_id] = pack_artifact(
+            root / f"src-{artifact_id}", root / artifact_id, model="ranker",
+            artifact_id=artifact_id, feature_schema="ranker-features-v3",
+            sign_key=root / "ec.pem",
+        )  # fmt: skip
+    return {"public_key": str(root / "ec.pub"), **packed}
+
+
+def test_a_replica_trusting_an_openssf_key_refuses_a_candidate_the_signature_does_not_cover(
+    replica: RankerReplica, tmp_path: Path, openssf_signed: dict[str, Any], demo
+) -> None:
+    """The replica checks OpenSSF signatures with the same verifier as ``rollout verify``: a
+    candidate whose manifest was edited and re-pinned after signing, or that is unsigned, is
+    refused (``signature``) and the serving generation keeps answering."""
+    from tests.file_artifacts import rewrite_manifest
+
+    trust = {"keys": [openssf_signed["public_key"]]}
+    good = openssf_signed["ranker-signed-a"]
+    assert replica.reconfigure(config(tmp_path, trust=trust, target=target(good, 1)))
+    assert replica.rank([request()]).model.artifact_id == "ranker-signed-a"
+
+    tampered = openssf_signed["ranker-signed-b"]
+    (tampered.out_dir / "manifest.json").chmod(0o644)
+    repinned = rewrite_manifest(tampered, lambda doc: doc["metadata"].update(promoted_by="me"))
+    for revision, candidate, why in (
+        (2, {**target(tampered, 2), "manifest_sha256": repinned}, "Signature mismatch"),
+        (3, target(demo["ranker-v41"], 3), "unsigned"),
+    ):
+        replica.reconfigure(config(tmp_path, trust=trust, target=candidate))
+        wait_until(
+            lambda revision=revision: replica.report().phase == "failed"
+            and replica.report().last_error is not None
+            and replica.report().last_error.revision == revision,  # type: ignore[union-attr]
+            TIMEOUT, f"candidate r{revision} refused", every=0.01,
+        )  # fmt: skip
+        err = replica.report().last_error
+        assert err is not None and err.category == "signature" and why in err.message, err
+        assert replica.report().actual_artifact == "ranker-signed-a"
+        assert replica.rank([request()]).model.artifact_id == "ranker-signed-a"
+
+
+def test_a_trust_anchor_the_replica_cannot_read_is_refused_with_the_config(
+    serving: RankerReplica, tmp_path: Path
+) -> None:
+    before = serving.config
+    good = config(tmp_path, target=target_of(serving))
+    missing = str(tmp_path / "no-such-key.pub")
+    assert serving.reconfigure({**good, "trust": {"keys": [missing]}}) is False
+    assert serving.config == before
+    err = serving.report().last_error
+    assert err is not None and err.category == "config", err
+    assert err.field == "user_config.trust.keys[0]", err
+    assert serving.rank([request()]).model.artifact_id == "ranker-v42"

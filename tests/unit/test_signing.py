@@ -14,9 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from app.errors import ConfigError
-from app.signing import generate_keypair, load_public_key, sign_manifest, verify_manifest_signature
+from app.signing import (
+    generate_keypair,
+    load_public_key,
+    load_signing_key,
+    load_trusted_key,
+    sign_manifest,
+    verify_manifest_signature,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 ROLLOUT = Path(sys.executable).with_name("rollout")
@@ -27,18 +35,28 @@ def mode_of(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-def test_rollout_keygen_with_a_permissive_umask_writes_a_0600_private_key(tmp_path):
+@pytest.mark.parametrize("kind", ["ec-p256", "ed25519", None])
+def test_rollout_keygen_with_a_permissive_umask_writes_a_0600_private_key(tmp_path, kind):
     private, public = tmp_path / "k.pem", tmp_path / "k.pub"
+    kind_args = ["--kind", kind] if kind else []
     proc = subprocess.run(
-        [str(ROLLOUT), "keygen", str(private), str(public)],
+        [str(ROLLOUT), "keygen", str(private), str(public), *kind_args],
         capture_output=True, text=True, cwd=REPO, timeout=60, env=ENV, umask=0,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"private_key": str(private), "public_key": str(public)}
+    written = kind or "ec-p256"  # the default: the kind the ecosystem's tools check
+    assert json.loads(proc.stdout) == {
+        "private_key": str(private), "public_key": str(public), "kind": written
+    }  # fmt: skip
     assert mode_of(private) == 0o600
     assert mode_of(public) == 0o644  # readable by all, writable by its owner only
-    signature = sign_manifest(b"manifest", private)
-    verify_manifest_signature(b"manifest", signature, load_public_key(public))
+    if written == "ed25519":
+        signature = sign_manifest(b"manifest", private)
+        verify_manifest_signature(b"manifest", signature, load_public_key(public))
+    else:
+        key = load_signing_key(private)
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
+        assert load_trusted_key(public).public_numbers() == key.public_key().public_numbers()
 
 
 # Watches the key file from inside the keygen process: at every audited operation after the
@@ -189,4 +207,4 @@ def test_rollout_verify_with_a_fifo_as_trust_key_exits_6_at_once(tmp_path: Path)
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert done.returncode == 6, (done.returncode, done.stderr)
-    assert done.stderr.startswith("error[config]: trust key"), done.stderr
+    assert done.stderr.startswith("error[config]: --trust-key: trust key"), done.stderr
