@@ -12,14 +12,17 @@ Layout under ``root``::
 A fetch streams every file into a private temp directory while hashing it, compares size and
 SHA-256 with the manifest, fsyncs files and directories, writes the completion marker and
 renames the directory into place in one step. A crash leaves only temp directories whose lock
-is gone; they are swept when a cache is opened. Nothing under ``artifacts/`` is ever written in
+is gone; they are swept when a cache is opened. No file under ``artifacts/`` is ever written in
 place.
 
 A hit is re-checked (sizes, or digests), its signatures verified when a trust policy is set
 (an entry may come from a process without one; app.trust), and every cached file is opened so
 that nothing swapped in after publication can block a reader or redirect it
 (``open_regular``). An entry keeps the signature files its source had (the project's
-``manifest.json.sig``, an OpenSSF ``model.sig``) for consumers that trust them.
+``manifest.json.sig``, an OpenSSF ``model.sig``) for consumers that trust them; when those fail
+and the source's current ones verify (a key rotated, an artifact signed after it was cached),
+the entry takes the new ones, each replaced in one rename: the only change ever made to a
+published entry.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import tempfile
@@ -403,6 +407,8 @@ class ArtifactCache:
         self.byte_budget = byte_budget
         self.limits = limits or CacheLimits()
         self.fetch = fetch or FetchConfig()  # schemes and timeouts of the stores read from
+        if isinstance(trust, TrustPolicy) and trust_key:
+            raise ValueError("give trust_key within the policy, not beside it")
         if not isinstance(trust, TrustPolicy):
             config = (trust or SignatureTrust()).with_key(str(trust_key) if trust_key else None)
             trust = TrustPolicy.of(config)
@@ -573,7 +579,7 @@ class ArtifactCache:
                 self._run_parallel(
                     manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
                 )
-            stored_signatures = self._stored_signatures(entry)
+            stored_signatures = self._stored_signatures(entry, manifest)
         except (OSError, ArtifactRejected):
             if holding_lock:
                 self._set_aside(entry, "corrupt")
@@ -585,7 +591,7 @@ class ArtifactCache:
         if self._trust is not None:
             # Not a sign of corruption: the entry stays for consumers that need no signature.
             signature = self._check_signatures_of_hit(
-                manifest, manifest_bytes, stored_signatures, manifest_uri
+                entry, manifest, manifest_bytes, stored_signatures, manifest_uri
             )
         os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
         return VerifiedArtifact(
@@ -597,23 +603,49 @@ class ArtifactCache:
             signature=signature,
         )
 
-    def _stored_signatures(self, entry: Path) -> dict[str, bytes | None]:
+    def _signature_names(self, manifest: Manifest) -> dict[str, int]:
+        """The signature files this cache reads beside a manifest, with their size limits: a
+        name the manifest lists is one of its files, not a signature (a policy refuses such an
+        artifact; without one it is served like any other)."""
+        listed = {item.path for item in manifest.files}
+        return {n: limit for n, limit in self._signature_limits.items() if n not in listed}
+
+    def _stored_signatures(self, entry: Path, manifest: Manifest) -> dict[str, bytes | None]:
         stored: dict[str, bytes | None] = {}
-        for name, limit in self._signature_limits.items():
+        for name, limit in self._signature_names(manifest).items():
             try:
                 stored[name] = read_regular(entry / name, f"cached signature {name}", limit)
             except FileNotFoundError:
                 stored[name] = None
         return stored
 
-    def _read_signatures(self, source: ArtifactSource) -> dict[str, bytes | None]:
+    def _read_signatures(
+        self, source: ArtifactSource, manifest: Manifest
+    ) -> dict[str, bytes | None]:
         return {
             name: source.read_small(name, limit=limit)
-            for name, limit in self._signature_limits.items()
+            for name, limit in self._signature_names(manifest).items()
         }
+
+    def _keep_signatures(self, entry: Path, signatures: dict[str, bytes | None]) -> None:
+        """Store the source's signatures in a published entry (each file replaced in one
+        rename), so later hits check them without reading the source. Best effort: a hit
+        that cannot store them reads the source again next time."""
+        for name, data in signatures.items():
+            if data is None:
+                continue
+            tmp = entry / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                self._write_synced(tmp, data)
+                tmp.chmod(0o444)
+                os.replace(tmp, entry / name)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
 
     def _check_signatures_of_hit(
         self,
+        entry: Path,
         manifest: Manifest,
         manifest_bytes: bytes,
         stored: dict[str, bytes | None],
@@ -632,17 +664,19 @@ class ArtifactCache:
             )
         if manifest_uri is None:
             raise stored_failure
-        current = self._read_signatures(ArtifactSource(manifest_uri, self.fetch))
+        current = self._read_signatures(ArtifactSource(manifest_uri, self.fetch), manifest)
         if current == stored:
             raise stored_failure
         try:
-            return self._trust.verify(manifest_bytes, manifest, current)
+            mode = self._trust.verify(manifest_bytes, manifest, current)
         except ArtifactRejected as exc:
             raise ArtifactRejected(
                 "signature",
                 f"{stored_failure.detail}; at the source: {exc.detail}",
                 artifact_id=manifest.artifact_id,
             ) from None
+        self._keep_signatures(entry, current)
+        return mode
 
     @staticmethod
     def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
@@ -670,7 +704,7 @@ class ArtifactCache:
                 raise ArtifactRejected("path", f"{entry.path!r} is not a regular file")
             stored[entry.path] = entry.size
         stored.pop(MANIFEST_NAME, None)
-        for name in self._signature_limits:
+        for name in self._signature_names(manifest):
             stored.pop(name, None)
         listed = {item.path: item for item in manifest.files}
         extra = sorted(set(stored) - set(listed))
@@ -715,7 +749,7 @@ class ArtifactCache:
         if manifest_bytes is None:
             raise ArtifactRejected("missing", f"no manifest at {redact_uri(manifest_uri)}")
         manifest = parse_manifest(manifest_bytes, digest)
-        signatures = self._read_signatures(source)
+        signatures = self._read_signatures(source, manifest)
         signature = None
         try:
             if self._trust is not None:
@@ -773,6 +807,9 @@ class ArtifactCache:
         done = time.monotonic()
         for item in manifest.files:
             (final / item.path).chmod(0o444)
+        for name, data in signatures.items():
+            if data is not None:
+                (final / name).chmod(0o444)
         return VerifiedArtifact(
             final,
             manifest,

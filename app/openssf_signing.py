@@ -10,15 +10,19 @@ Signing, the bundle, the envelope and the verification of keys, certificate chai
 identities are the library's. What this module adds is where the digests come from: the library
 would hash the directory itself, reading multi-GB weights once more after the cache verified
 them byte by byte; here it is handed the digests the manifest pins instead (``PinnedDigests``),
-and compares them with the signed ones as it would compare its own. A signature therefore
-verifies here exactly when ``model_signing verify`` accepts the directory, without the second
-read, and signing at pack time costs no second hash of the weights either.
+and compares them with the signed ones as it would compare its own, without the second read;
+signing at pack time costs no second hash of the weights either.
+
+One difference in what is accepted: the standard tool lets a signer leave files out (its
+``--ignore-paths``, and git metadata by default) and then ignores them when verifying. Here the
+manifest and every file it lists must be covered, since each of them is served: a signature
+that leaves one out is refused. (``rollout pack`` leaves git metadata out of artifacts, so what
+it packs signs and verifies the same with both.)
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import re
 import tempfile
 import threading
@@ -35,9 +39,9 @@ DEFAULT_SIGNATURE_FILE: Final = "model.sig"
 # A bundle lists every file (at most a few hundred) and may carry a certificate chain.
 MAX_OPENSSF_SIGNATURE_BYTES: Final = 1 << 20
 SIGNED_HASH: Final = "sha256"
-# What the standard tool leaves out of a directory's signature by default, besides the
-# signature file itself.
-_GIT_PATHS: Final = (".git", ".gitattributes", ".github", ".gitignore")
+# What the standard tool leaves out of a model directory's signature by default (top level
+# only), besides the signature file itself; ``rollout pack`` does not copy them either.
+GIT_METADATA: Final = frozenset({".git", ".gitattributes", ".github", ".gitignore"})
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,12 @@ class DirectoryDigests:
     ``required``: the manifest and every file it lists; a signature must cover each.
     ``optional``: files of the directory that are not part of the model (the project's own
     signature file): covered when the signer hashed them, and then checked like the others.
+    ``name``: what the library calls the model in its messages (the artifact id).
     """
 
     required: Mapping[str, str]
     optional: Mapping[str, str]
+    name: str = "artifact"
 
 
 @cache
@@ -85,7 +91,7 @@ def _pinned_digests_class() -> type:
             path = PurePosixPath(name)
             ignored = {PurePosixPath(str(p)) for p in self._ignored_paths}
             if self._ignore_git_paths:
-                ignored.update(PurePosixPath(p) for p in _GIT_PATHS)
+                ignored.update(PurePosixPath(p) for p in GIT_METADATA)
             return any(path == p or p in path.parents for p in ignored)
 
         def hash(self, model_path: Any, *, files_to_hash: Iterable[Any] | None = None) -> Any:
@@ -110,7 +116,7 @@ def _pinned_digests_class() -> type:
                 )
                 for name, digest in sorted(files.items())
             ]
-            return ms.manifest.Manifest(Path(os.fspath(model_path)).name, items, serialization)
+            return ms.manifest.Manifest(self._digests.name, items, serialization)
 
     return PinnedDigests
 
@@ -133,10 +139,11 @@ def sign_directory(
 _DIGEST_REPR = re.compile(
     r"Digest\(algorithm='([^']*)', digest_value=(b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\")\)"
 )
+_MISMATCH: Final = "Signature mismatch: "
 
 
-def _readable(reason: str) -> str:
-    """The library's reason with its digests as ``sha256:<hex>`` instead of bytes reprs."""
+def _hexed_digests(text: str) -> str:
+    """``text`` with each ``Digest(algorithm=..., digest_value=b'...')`` as ``sha256:<hex>``."""
 
     def hexed(match: re.Match[str]) -> str:
         try:
@@ -145,7 +152,22 @@ def _readable(reason: str) -> str:
             return match.group(0)
         return f"{match.group(1)}:{value.hex()}"
 
-    return _DIGEST_REPR.sub(hexed, reason)
+    return _DIGEST_REPR.sub(hexed, text)
+
+
+def _readable(reason: str) -> str:
+    """The library's reason, its mismatch list as ``; ``-joined lines with digests in hex.
+
+    The library formats a mismatch as ``Signature mismatch: `` and the ``str`` of a list of
+    lines, which escapes the bytes reprs inside once more; the list is read back first."""
+    if reason.startswith(_MISMATCH):
+        try:
+            lines = ast.literal_eval(reason[len(_MISMATCH) :])
+        except (ValueError, SyntaxError):
+            lines = None
+        if isinstance(lines, list) and all(isinstance(line, str) for line in lines):
+            return _MISMATCH + "; ".join(_hexed_digests(line) for line in lines)
+    return _hexed_digests(reason)
 
 
 class OpenSSFVerifier:
@@ -195,7 +217,8 @@ class OpenSSFVerifier:
             sig_path = Path(scratch) / signature_file
             sig_path.write_bytes(bundle)
             try:
-                self._config.verify(Path(scratch), sig_path)
+                # The directory is never read: the digests are pinned.
+                self._config.verify(Path(scratch) / "model", sig_path)
             except Exception as exc:
                 # Any failure of the library is a refusal: a bundle it cannot parse, a key or
                 # chain that does not match, a statement whose digests differ.

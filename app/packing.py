@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePrivateKey
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from app.artifact_store import manifest_uri_for
-from app.contracts import Target
+from app.contracts import SignatureTrust, Target
 from app.errors import ArtifactRejected, ConfigError
 from app.manifest import (
     MANIFEST_NAME,
@@ -27,7 +26,7 @@ from app.manifest import (
     check_file_paths,
     sha256_hex,
 )
-from app.openssf_signing import DEFAULT_SIGNATURE_FILE, sign_directory
+from app.openssf_signing import DEFAULT_SIGNATURE_FILE, GIT_METADATA, sign_directory
 from app.signing import load_signing_key, sign_manifest
 from app.trust import directory_digests
 
@@ -65,6 +64,11 @@ class PackResult:
 def _source_files(src_dir: Path) -> list[str]:
     found: list[str] = []
     for root, dirs, files in os.walk(src_dir, followlinks=False):
+        if Path(root) == src_dir:
+            # Git metadata of a checkout or a model hub snapshot (.gitattributes) is not part
+            # of a model; the standard signing tool leaves it out of a signature too.
+            dirs[:] = [d for d in dirs if d not in GIT_METADATA]
+            files = [f for f in files if f not in GIT_METADATA]
         for name in list(dirs) + files:
             full = Path(root) / name
             rel = full.relative_to(src_dir).as_posix()
@@ -123,8 +127,14 @@ def pack_artifact(
 
     ``sign_key``: an ed25519 key writes the project's ``manifest.json.sig``; an EC key an
     OpenSSF model signature (``signature_file``) over the directory, with the digests just
-    computed while copying (the files are not read again).
+    computed while copying (the files are not read again). ``signature_file`` is reserved
+    either way: a source file of that name is refused. Top-level git metadata (``.git``,
+    ``.gitattributes``, ...) is not copied.
     """
+    try:
+        signature_file = SignatureTrust(signature_file=signature_file).signature_file
+    except ValidationError as exc:
+        raise ConfigError(f"--signature-file: {exc.errors(include_url=False)[0]['msg']}") from None
     src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
     if not src_dir.is_dir():
         raise ConfigError(f"SRC_DIR: {src_dir} is not a directory")
@@ -157,11 +167,12 @@ def pack_artifact(
         raise ConfigError(f"SRC_DIR: {src_dir} holds no model files")
     if MANIFEST_NAME in payload or SIGNATURE_NAME in payload:
         raise ConfigError(f"SRC_DIR: {src_dir} already holds a manifest; pack a source tree")
-    key = load_signing_key(sign_key) if sign_key is not None else None  # before any copy
-    if isinstance(key, EllipticCurvePrivateKey) and signature_file in payload:
+    if signature_file in payload:
         raise ConfigError(
-            f"SRC_DIR: {src_dir} holds {signature_file!r}, the name of the signature to write"
+            f"SRC_DIR: {src_dir} holds {signature_file!r}, the name reserved for an OpenSSF "
+            "signature of the artifact (rename it, or choose another --signature-file)"
         )
+    key = load_signing_key(sign_key) if sign_key is not None else None  # before any copy
 
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

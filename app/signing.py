@@ -41,10 +41,11 @@ SigningKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
 TrustedKey = Ed25519PublicKey | ec.EllipticCurvePublicKey
 
 
-def read_key_file(path: Path, what: str) -> bytes:
-    """The bytes of a key file: a regular file (symlinks followed, as mounted secrets are), of
-    bounded size, opened without blocking so a FIFO or device named by mistake (in a
-    user_config's ``trust_key`` too) is refused instead of hanging or filling memory."""
+def read_key_file(path: Path, what: str, limit: int = MAX_KEY_FILE_BYTES) -> bytes:
+    """The bytes of a key file (or of a CA chain, a trust config: ``limit``): a regular file
+    (symlinks followed, as mounted secrets are), of bounded size, opened without blocking so a
+    FIFO or device named by mistake (in a user_config's ``trust_key`` too) is refused instead
+    of hanging or filling memory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -53,11 +54,11 @@ def read_key_file(path: Path, what: str) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ConfigError(f"{what} {path}: not a regular file")
         with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_KEY_FILE_BYTES + 1)
+            data = fh.read(limit + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"{what} {path}: larger than {MAX_KEY_FILE_BYTES} bytes, not a key")
+    if len(data) > limit:
+        raise ConfigError(f"{what} {path}: larger than {limit} bytes")
     return data
 
 
@@ -170,16 +171,6 @@ def load_trusted_key(path: Path, what: str = "trust key") -> TrustedKey:
         f"{what} {path}: a {_key_kind(key)} key; accepted are ed25519 (the project's "
         "signatures) and EC P-256/P-384/P-521 (OpenSSF model signatures)"
     )
-
-
-def load_public_key(path: Path) -> Ed25519PublicKey:
-    try:
-        key = serialization.load_pem_public_key(read_key_file(path, "trust key"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"trust key {path}: not a readable PEM public key ({exc})") from exc
-    if not isinstance(key, Ed25519PublicKey):
-        raise ConfigError(f"trust key {path}: not an ed25519 key")
-    return key
 
 
 def sign_manifest(manifest_bytes: bytes, private_key: Path | Ed25519PrivateKey) -> bytes:

@@ -39,6 +39,8 @@ from app.signing import load_trusted_key, read_key_file, verify_manifest_signatu
 
 # A project signature file holds the base64 of 64 bytes and a newline.
 MAX_PROJECT_SIGNATURE_BYTES: Final = 4096
+# A CA bundle or a Sigstore trust config (a trusted root of several keys and certificates).
+MAX_TRUST_FILE_BYTES: Final = 4 << 20
 PROJECT_MODE: Final = "ed25519"
 
 
@@ -79,14 +81,17 @@ class TrustPolicy:
             where = names["certificate_chains"]
             chain = [Path(p) for p in trust.certificate_chains]
             for path in chain:
-                _named(where, lambda path=path: read_key_file(path, "certificate chain"))
+                _named(
+                    where,
+                    lambda path=path: read_key_file(
+                        path, "certificate chain", MAX_TRUST_FILE_BYTES
+                    ),
+                )
             self._openssf.append(_named(where, lambda: OpenSSFVerifier.for_certificates(chain)))
         trust_config = Path(trust.sigstore_trust_config) if trust.sigstore_trust_config else None
         if trust_config is not None:
-            _named(
-                names["sigstore_trust_config"],
-                lambda: read_key_file(trust_config, "sigstore trust config"),
-            )
+            # Parsed here once under its own name; the library reads it again per identity.
+            _named(names["sigstore_trust_config"], lambda: _check_trust_config(trust_config))
         for i, signer in enumerate(trust.keyless):
             self._openssf.append(
                 _named(
@@ -121,6 +126,12 @@ class TrustPolicy:
         ``openssf-certificate``, ``openssf-keyless``). ArtifactRejected ``signature`` naming
         every reason when none verifies. ``manifest_bytes`` are the pinned ones; ``signatures``
         maps signature file names to their bytes (None: absent)."""
+        if self._openssf and any(item.path == self.signature_file for item in manifest.files):
+            raise ArtifactRejected(
+                "signature",
+                f"the manifest lists {self.signature_file!r}, the signature file's name",
+                artifact_id=manifest.artifact_id,
+            )
         failures: list[str] = []
         project = signatures.get(SIGNATURE_NAME)
         if project is not None and self._project:
@@ -132,12 +143,6 @@ class TrustPolicy:
                     failures.append(f"{PROJECT_MODE} (key {key.path.name}): {exc.detail}")
         bundle = signatures.get(self.signature_file)
         if bundle is not None and self._openssf:
-            if any(item.path == self.signature_file for item in manifest.files):
-                raise ArtifactRejected(
-                    "signature",
-                    f"the manifest lists {self.signature_file!r}, the signature file's name",
-                    artifact_id=manifest.artifact_id,
-                )
             digests = directory_digests(manifest_bytes, manifest, project)
             for verifier in self._openssf:
                 try:
@@ -202,17 +207,29 @@ def directory_digests(
     optional = {}
     if project_signature is not None:
         optional[SIGNATURE_NAME] = hashlib.sha256(project_signature).hexdigest()
-    return DirectoryDigests(required=required, optional=optional)
+    return DirectoryDigests(required=required, optional=optional, name=manifest.artifact_id)
 
 
 _T = TypeVar("_T")
 
 
+def _check_trust_config(path: Path) -> None:
+    from sigstore.models import ClientTrustConfig
+
+    ClientTrustConfig.from_json(
+        read_key_file(path, "sigstore trust config", MAX_TRUST_FILE_BYTES).decode()
+    )
+
+
 def _named(field: str, build: Callable[[], _T]) -> _T:
-    """``build()``; its failure to read an anchor as a ConfigError naming ``field``."""
+    """``build()``; its failure to set up an anchor as a ConfigError naming ``field``."""
     try:
         return build()
     except ConfigError as exc:
         raise ConfigError(f"{field}: {exc}", field=field) from None
-    except (OSError, ValueError, TypeError) as exc:
+    except Exception as exc:
+        # Whatever the libraries raise for an anchor they cannot use: a file they cannot
+        # parse, a key of another kind, Sigstore's trust root out of reach (keyless without
+        # a trust config fetches it). The config that names it is refused; the last good one
+        # keeps serving.
         raise ConfigError(f"{field}: {type(exc).__name__}: {exc}", field=field) from None

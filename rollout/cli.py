@@ -45,6 +45,7 @@ from rollout.cli_options import (
     LIST_LIMIT,
     Seconds,
     actor_option,
+    check_signature_file,
     reason_option,
     trust_from_options,
     trust_options,
@@ -107,7 +108,9 @@ def cli() -> None:
     "--signature-file",
     default="model.sig",
     show_default=True,
-    help="Name of the OpenSSF signature file in the artifact directory.",
+    callback=check_signature_file,
+    help="Name of the OpenSSF signature file in the artifact directory (reserved: a source "
+    "file of that name is refused).",
 )
 def pack(
     src_dir: Path,

@@ -89,6 +89,14 @@ actor_option = click.option(
 )
 
 
+def check_signature_file(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A plain file name that the artifact format does not reserve (usage error otherwise)."""
+    try:
+        return SignatureTrust(signature_file=value).signature_file
+    except ValidationError as exc:
+        raise click.BadParameter(str(exc.errors(include_url=False)[0]["msg"])) from None
+
+
 _TRUST_PARAMS: Final = (
     "trust_keys",
     "trust_cert_chains",
@@ -142,6 +150,7 @@ def trust_options(func: Any) -> Any:
             "--signature-file",
             default="model.sig",
             show_default=True,
+            callback=check_signature_file,
             help="Where an OpenSSF signature lies in the artifact directory.",
         ),
     ]

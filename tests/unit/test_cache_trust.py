@@ -93,6 +93,13 @@ def test_a_signature_added_at_the_source_later_is_accepted_without_refetching(ke
         art.manifest_uri, art.manifest_sha256
     )
     assert got.cached
+    # Kept in the entry: the next hit verifies without the source's copy.
+    (art.out_dir / SIGNATURE_NAME).unlink()
+    assert (
+        ArtifactCache(root, trust_key=keys / "trust.pem")
+        .fetch_verified(art.manifest_uri, art.manifest_sha256)
+        .cached
+    )
 
 
 def test_rollout_verify_with_trust_key_refuses_what_a_keyless_verify_cached(keys, tmp_path):
@@ -147,9 +154,14 @@ def test_a_replaced_openssf_signature_in_the_entry_is_refused_unless_the_source_
     (entry / "model.sig").chmod(0o644)
     (entry / "model.sig").write_bytes((other.out_dir / "model.sig").read_bytes())
     trusting = ArtifactCache(root, trust_key=ec_keys / "ec.pub")
-    # The source still holds the right one: the hit is served, checked with it.
+    # The source still holds the right one: the hit is served, checked with it, and the entry
+    # takes it back.
     got = trusting.fetch_verified(art.manifest_uri, art.manifest_sha256)
     assert got.cached and got.signature == "openssf-key"
+    assert (entry / "model.sig").read_bytes() == (art.out_dir / "model.sig").read_bytes()
+    # Replaced again, and the source has none now: refused, saying why for both.
+    (entry / "model.sig").chmod(0o644)
+    (entry / "model.sig").write_bytes((other.out_dir / "model.sig").read_bytes())
     (art.out_dir / "model.sig").unlink()
     with pytest.raises(ArtifactRejected) as info:
         trusting.fetch_verified(art.manifest_uri, art.manifest_sha256)
@@ -177,3 +189,33 @@ def test_an_openssf_signature_added_at_the_source_later_is_accepted_without_refe
         art.manifest_uri, art.manifest_sha256
     )
     assert got.cached and got.signature == "openssf-key"
+    # The entry took the source's signature: later hits need the source no more.
+    assert (got.path / "model.sig").read_bytes() == (art.out_dir / "model.sig").read_bytes()
+    (art.out_dir / "model.sig").unlink()
+    again = ArtifactCache(root, trust_key=ec_keys / "ec.pub").fetch_verified(
+        art.manifest_uri, art.manifest_sha256
+    )
+    assert again.cached and again.signature == "openssf-key"
+
+
+def test_a_listed_file_named_like_the_signature_is_a_model_file_not_a_signature(ec_keys, tmp_path):
+    # Packed with another signature name, so "model.sig" could be a file of the model.
+    files = {**PAYLOAD, "model.sig": b"just data"}
+    art = make_file_artifact(tmp_path, files, "named-like-sig", signature_file="bundle.sig")
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(art.manifest_uri, art.manifest_sha256)
+    assert got.read_verified("model.sig") == b"just data"
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "trusting", trust_key=ec_keys / "ec.pub").fetch_verified(
+            art.manifest_uri, art.manifest_sha256
+        )
+    assert info.value.category == "signature"
+    assert "the manifest lists 'model.sig'" in info.value.detail
+
+
+def test_a_policy_and_a_trust_key_beside_it_are_refused(ec_keys, tmp_path):
+    from app.contracts import SignatureTrust
+    from app.trust import TrustPolicy
+
+    policy = TrustPolicy(SignatureTrust(keys=[str(ec_keys / "ec.pub")]))
+    with pytest.raises(ValueError, match="trust_key within the policy"):
+        ArtifactCache(tmp_path / "c", trust=policy, trust_key=ec_keys / "other-ec.pub")

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from app.demo_artifacts import write_ranker_source
-from app.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from app.manifest import MANIFEST_NAME, SIGNATURE_NAME, sha256_hex
 from app.packing import PackResult, pack_artifact
 from app.signing import generate_keypair
 from tests.file_artifacts import file_entry, rewrite_manifest
@@ -191,6 +191,7 @@ def test_a_file_changed_removed_or_added_after_signing_is_refused_by_both(
     standard_sign(art, keys / "ec.pem")
     assert standard_verify(art.out_dir, keys / "ec.pub").returncode == 0
     tamper, follow, category_as_signed = TAMPERING[what]
+    signed_normalization = sha256_hex((art.out_dir / "normalization.json").read_bytes())
     tamper(art.out_dir)
     sha256 = art.manifest_sha256
     if manifest == "re-pinned":
@@ -211,6 +212,14 @@ def test_a_file_changed_removed_or_added_after_signing_is_refused_by_both(
     assert err.startswith(f"rejected: {expected}: "), err
     if manifest == "re-pinned":
         assert "Signature mismatch" in err and "openssf-key (key ec.pub)" in err, err
+        # The library's reason, readable: which file, and its real digests in hex.
+        assert f"in model 'tampered-{what}'" in err or what == "changed", err
+        if what == "changed":
+            now = sha256_hex((art.out_dir / "normalization.json").read_bytes())
+            assert (
+                f"Hash mismatch for 'normalization.json': Expected 'sha256:{signed_normalization}',"
+                f" Actual 'sha256:{now}'"
+            ) in err, err
 
 
 def test_a_signature_that_leaves_a_manifest_file_out_is_refused_here(
@@ -226,7 +235,7 @@ def test_a_signature_that_leaves_a_manifest_file_out_is_refused_here(
         tmp_path, art.manifest_uri, art.manifest_sha256, "--trust-key", keys / "ec.pub"
     )
     assert code == EXIT_REJECTED and err.startswith("rejected: signature: "), err
-    assert "normalization.json" in err, err
+    assert "Extra files found in model 'partial': normalization.json" in err, err
 
 
 # --------------------------------------------------------------------------- certificate mode
@@ -376,7 +385,7 @@ def test_keyless_options_that_cannot_be_used_are_named(tmp_path: Path, keys: Pat
         "--trust-issuer", "https://accounts.google.com",
         "--sigstore-trust-config", tmp_path / "garbage.json",
     )  # fmt: skip
-    assert code == 6 and err.startswith("error[config]: --trust-identity: "), err
+    assert code == 6 and err.startswith("error[config]: --sigstore-trust-config: "), err
 
 
 # --------------------------------------------------------------------------- modes side by side
@@ -521,3 +530,117 @@ def test_app_args_trust_reaches_replicas_with_paths_resolved_against_the_project
     assert trust.certificate_chains == [str(PROJECT_ROOT / "var/keys/ca.crt")]
     assert trust.sigstore_trust_config == str(PROJECT_ROOT / "var/keys/trust-config.json")
     assert trust.keyless[0].identity == "release@example.com"
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def test_pack_leaves_git_metadata_out_so_both_tools_agree_on_the_files(
+    tmp_path: Path, keys: Path
+) -> None:
+    """A model hub snapshot carries ``.gitattributes`` (and a checkout ``.git/``): not part of
+    the model, left out of the artifact as the standard tool leaves it out of a signature, so
+    what is packed and signed here verifies with the standard tool."""
+    src = tmp_path / "snapshot"
+    write_ranker_source(src, seed=5)
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (src / "docs").mkdir()
+    (src / "docs" / ".gitignore").write_text("*.tmp\n")  # not top level: a model file
+    art = pack_artifact(
+        src, tmp_path / "art", model="ranker", artifact_id="snapshot",
+        feature_schema="ranker-features-v3", sign_key=keys / "ec.pem",
+    )  # fmt: skip
+    listed = [f["path"] for f in json.loads((art.out_dir / MANIFEST_NAME).read_text())["files"]]
+    assert ".gitattributes" not in listed and not any(p.startswith(".git/") for p in listed)
+    assert "docs/.gitignore" in listed
+    assert not (art.out_dir / ".gitattributes").exists()
+    checked = standard_verify(art.out_dir, keys / "ec.pub")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "../outside.sig", ".hidden.sig", "a/b.sig"])
+def test_pack_refuses_a_signature_file_name_that_is_not_a_plain_unreserved_name(
+    tmp_path: Path, keys: Path, name: str
+) -> None:
+    src = tmp_path / "src"
+    write_ranker_source(src, seed=1)
+    done = run(
+        ROLLOUT, "pack", src, "--model", "ranker", "--artifact-id", "x",
+        "--feature-schema", "ranker-features-v3", "--out", tmp_path / "out",
+        "--sign-key", keys / "ec.pem", "--signature-file", name,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--signature-file" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "outside.sig").exists()
+
+
+def test_pack_refuses_a_source_file_named_like_the_signature(tmp_path: Path) -> None:
+    from app.errors import ConfigError
+
+    src = tmp_path / "src"
+    write_ranker_source(src, seed=1)
+    (src / "model.sig").write_bytes(b"a model file that happens to have this name")
+    with pytest.raises(ConfigError, match="reserved for an OpenSSF signature"):
+        pack_artifact(
+            src, tmp_path / "out", model="ranker", artifact_id="x",
+            feature_schema="ranker-features-v3",
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_anchor_the_library_cannot_set_up_is_a_config_error_naming_its_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keyless trust without a trust config fetches Sigstore's trust root when the policy is
+    built; whatever the library raises when that fails (its own error types, not OSError) is
+    a ConfigError naming the field, so a replica refuses the config and keeps the old one."""
+    from app.contracts import SignatureTrust
+    from app.errors import ConfigError
+    from app.openssf_signing import OpenSSFVerifier
+    from app.trust import TrustPolicy
+
+    class TUFError(Exception):  # stands in for sigstore.errors.TUFError
+        pass
+
+    def unreachable(*_args: Any, **_kwargs: Any) -> OpenSSFVerifier:
+        raise TUFError("Failed to refresh TUF metadata")
+
+    monkeypatch.setattr(OpenSSFVerifier, "for_identity", unreachable)
+    trust = SignatureTrust(
+        keyless=[{"identity": "release@example.com", "oidc_issuer": "https://accounts.google.com"}]
+    )
+    with pytest.raises(ConfigError) as info:
+        TrustPolicy(trust, field="user_config.trust")
+    assert info.value.ids["field"] == "user_config.trust.keyless[0]"
+    assert "TUFError: Failed to refresh TUF metadata" in str(info.value)
+
+
+KEYLESS_FIXTURE = REPO / "tests" / "data" / "openssf-keyless"
+KEYLESS_IDENTITY = ("stefanb@us.ibm.com", "https://sigstore.verify.ibm.com/oauth2")
+
+
+def test_a_recorded_keyless_signature_verifies_offline_for_its_identity_only(
+    sigstore_trust_config: Path,
+) -> None:
+    """A real keyless bundle (Fulcio certificate, Rekor entry) checked with no network: the
+    accept path of keyless trust, then a wrong identity and a changed file refused."""
+    from app.errors import ArtifactRejected
+    from app.openssf_signing import DirectoryDigests, OpenSSFVerifier
+
+    bundle = (KEYLESS_FIXTURE / "model.sig").read_bytes()
+    files = {n: sha256_hex((KEYLESS_FIXTURE / n).read_bytes()) for n in ("signme-1", "signme-2")}
+    digests = DirectoryDigests(required=files, optional={}, name="recorded")
+    signer = OpenSSFVerifier.for_identity(*KEYLESS_IDENTITY, sigstore_trust_config)
+    signer.verify(bundle, digests, "model.sig")
+
+    impostor = OpenSSFVerifier.for_identity(
+        "mallory@example.com", KEYLESS_IDENTITY[1], sigstore_trust_config
+    )
+    with pytest.raises(ArtifactRejected, match=r"SANs do not match mallory@example\.com"):
+        impostor.verify(bundle, digests, "model.sig")
+    changed = DirectoryDigests(
+        required={**files, "signme-2": sha256_hex(b"signme-3")}, optional={}, name="recorded"
+    )
+    with pytest.raises(ArtifactRejected, match="Hash mismatch for 'signme-2'"):
+        signer.verify(bundle, changed, "model.sig")

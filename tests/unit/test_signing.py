@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from app.errors import ConfigError
 from app.signing import (
     generate_keypair,
-    load_public_key,
     load_signing_key,
     load_trusted_key,
     sign_manifest,
@@ -52,7 +51,7 @@ def test_rollout_keygen_with_a_permissive_umask_writes_a_0600_private_key(tmp_pa
     assert mode_of(public) == 0o644  # readable by all, writable by its owner only
     if written == "ed25519":
         signature = sign_manifest(b"manifest", private)
-        verify_manifest_signature(b"manifest", signature, load_public_key(public))
+        verify_manifest_signature(b"manifest", signature, load_trusted_key(public))
     else:
         key = load_signing_key(private)
         assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
@@ -174,7 +173,7 @@ def _load_guarded(load: Callable[[Path], object], path: Path) -> object:
 def test_a_key_path_that_is_not_a_small_regular_file_is_a_config_error(
     tmp_path: Path, kind: str
 ) -> None:
-    from app.signing import MAX_KEY_FILE_BYTES, _load_private
+    from app.signing import MAX_KEY_FILE_BYTES
 
     path = tmp_path / "key.pem"
     if kind == "fifo":
@@ -185,7 +184,7 @@ def test_a_key_path_that_is_not_a_small_regular_file_is_a_config_error(
         path.write_bytes(b"-" * (MAX_KEY_FILE_BYTES + 1))
     else:
         path.mkdir()
-    for load in (load_public_key, _load_private):
+    for load in (load_trusted_key, load_signing_key):
         got = _load_guarded(load, path)
         assert isinstance(got, ConfigError), got
         assert str(path) in str(got)
@@ -195,7 +194,7 @@ def test_a_symlinked_key_is_read(tmp_path: Path) -> None:
     # Mounted secrets (Kubernetes) are symlinks: following them is right for a key.
     generate_keypair(tmp_path / "sign.pem", tmp_path / "trust.pem")
     (tmp_path / "link.pem").symlink_to(tmp_path / "trust.pem")
-    load_public_key(tmp_path / "link.pem")
+    load_trusted_key(tmp_path / "link.pem")
 
 
 def test_rollout_verify_with_a_fifo_as_trust_key_exits_6_at_once(tmp_path: Path) -> None:
