@@ -174,8 +174,8 @@ class OpenSSFVerifier:
     """One trust anchor of OpenSSF signatures: a public key, a CA chain or a Sigstore identity.
 
     Construct through ``for_key``, ``for_certificates`` or ``for_identity``; the anchor's files
-    are read then (errors: ``ValueError``/``OSError`` from the library, for the caller to name
-    the field)."""
+    are read then, and keyless trust without a trust config fetches Sigstore's trust root
+    (errors are the library's own, for the caller to name the field: app.trust)."""
 
     def __init__(self, mode: OpenSSFMode, anchor: str, config: Any) -> None:
         self.mode = mode
