@@ -132,6 +132,21 @@ def _key_kind(key: object) -> str:
     )
 
 
+def _of_accepted_kind(key: object, where: str) -> SigningKey | TrustedKey:
+    """``key`` if it is ed25519 or EC on a curve OpenSSF signatures use; ConfigError else."""
+    if isinstance(key, Ed25519PrivateKey | Ed25519PublicKey):
+        return key
+    if (
+        isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey)
+        and key.curve.name in OPENSSF_CURVES
+    ):
+        return key
+    raise ConfigError(
+        f"{where}: a {_key_kind(key)} key; accepted are ed25519 (the project's signature) "
+        "and EC P-256/P-384/P-521 (an OpenSSF model signature)"
+    )
+
+
 def load_signing_key(path: Path) -> SigningKey:
     """A PEM private key that signs artifacts: ed25519 (the project's signature) or EC
     P-256/P-384/P-521 (an OpenSSF one). ConfigError for anything else."""
@@ -139,14 +154,7 @@ def load_signing_key(path: Path) -> SigningKey:
         key = serialization.load_pem_private_key(read_key_file(path, "sign key"), password=None)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"sign key {path}: not a readable PEM private key ({exc})") from exc
-    if isinstance(key, Ed25519PrivateKey):
-        return key
-    if isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in OPENSSF_CURVES:
-        return key
-    raise ConfigError(
-        f"sign key {path}: a {_key_kind(key)} key; accepted are ed25519 (the project's "
-        "signature) and EC P-256/P-384/P-521 (an OpenSSF model signature)"
-    )
+    return _of_accepted_kind(key, f"sign key {path}")  # type: ignore[return-value]
 
 
 def _load_private(path: Path) -> Ed25519PrivateKey:
@@ -163,14 +171,7 @@ def load_trusted_key(path: Path, what: str = "trust key") -> TrustedKey:
         key = serialization.load_pem_public_key(read_key_file(path, what))
     except ValueError as exc:
         raise ConfigError(f"{what} {path}: not a readable PEM public key ({exc})") from exc
-    if isinstance(key, Ed25519PublicKey):
-        return key
-    if isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in OPENSSF_CURVES:
-        return key
-    raise ConfigError(
-        f"{what} {path}: a {_key_kind(key)} key; accepted are ed25519 (the project's "
-        "signatures) and EC P-256/P-384/P-521 (OpenSSF model signatures)"
-    )
+    return _of_accepted_kind(key, f"{what} {path}")  # type: ignore[return-value]
 
 
 def sign_manifest(manifest_bytes: bytes, private_key: Path | Ed25519PrivateKey) -> bytes:

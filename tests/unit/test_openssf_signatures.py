@@ -63,6 +63,15 @@ def packed(root: Path, name: str, sign_key: Path | None = None, seed: int = 1) -
     )  # fmt: skip
 
 
+def rollout_pack(
+    src: Path, out: Path, sign_key: Path, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    return run(
+        ROLLOUT, "pack", src, "--model", "ranker", "--artifact-id", out.name,
+        "--feature-schema", "ranker-features-v3", "--out", out, "--sign-key", sign_key, *extra,
+    )  # fmt: skip
+
+
 def standard_sign(art: PackResult, key: Path, *extra: str) -> None:
     done = run(
         MODEL_SIGNING, "sign", "key", "--private_key", key,
@@ -120,11 +129,7 @@ def test_an_artifact_packed_and_signed_here_verifies_with_the_standard_tool(
 ) -> None:
     src = tmp_path / "src"
     write_ranker_source(src, seed=4)
-    done = run(
-        ROLLOUT, "pack", src, "--model", "ranker", "--artifact-id", "ours",
-        "--feature-schema", "ranker-features-v3", "--out", tmp_path / "ours",
-        "--sign-key", keys / "ec.pem",
-    )  # fmt: skip
+    done = rollout_pack(src, tmp_path / "ours", keys / "ec.pem")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "ours" / "model.sig").is_file()
     assert not (tmp_path / "ours" / SIGNATURE_NAME).exists()  # an EC key signs the OpenSSF way
@@ -447,11 +452,7 @@ def test_pack_refuses_a_key_of_a_kind_that_cannot_sign_and_writes_nothing(
     _write_pem(tmp_path / "k1.pem", key)
     src = tmp_path / "src"
     write_ranker_source(src, seed=1)
-    done = run(
-        ROLLOUT, "pack", src, "--model", "ranker", "--artifact-id", "x",
-        "--feature-schema", "ranker-features-v3", "--out", tmp_path / "out",
-        "--sign-key", tmp_path / "k1.pem",
-    )  # fmt: skip
+    done = rollout_pack(src, tmp_path / "out", tmp_path / "k1.pem")
     assert done.returncode == 6, done.stderr
     assert "secp256k1 key" in done.stderr and "EC P-256" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
@@ -566,11 +567,7 @@ def test_pack_refuses_a_signature_file_name_that_is_not_a_plain_unreserved_name(
 ) -> None:
     src = tmp_path / "src"
     write_ranker_source(src, seed=1)
-    done = run(
-        ROLLOUT, "pack", src, "--model", "ranker", "--artifact-id", "x",
-        "--feature-schema", "ranker-features-v3", "--out", tmp_path / "out",
-        "--sign-key", keys / "ec.pem", "--signature-file", name,
-    )  # fmt: skip
+    done = rollout_pack(src, tmp_path / "out", keys / "ec.pem", "--signature-file", name)
     assert done.returncode == 2 and "--signature-file" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "outside.sig").exists()
 
