@@ -37,10 +37,13 @@ ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coa
 # chose the cohort but the router sent the request elsewhere at once (breaker open, nothing
 # serving), counted without a latency so the judge sees the cohort failing rather than idle.
 
-# Bucket bounds (ms) for latency: fine below 100 ms where the SLO lives, coarse above.
+# Bucket bounds (ms) for latency: steps of at most 1.33x (1.25x mostly) from 1 ms to 30 s, so
+# a quantile read from them is within a few percent, and 1.5x of most bounds is a bound too
+# (the judge's "1.5x stable p99" limit then splits no bucket; rollout/sequential.py).
 LATENCY_BOUNDARIES_MS: Final = (
-    1, 2, 3, 5, 7.5, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 300, 500, 750,
-    1000, 2000, 5000, 10000, 30000,
+    1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7.5, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 75,
+    100, 125, 150, 200, 250, 300, 400, 500, 600, 750, 1000, 1250, 1500, 2000, 2500, 3000,
+    4000, 5000, 6000, 7500, 10000, 15000, 20000, 30000,
 )  # fmt: skip
 BATCH_SIZE_BOUNDARIES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -53,6 +56,15 @@ REPLICA_LOAD_FAILURES: Final = "ranker_replica_load_failures"  # counter {cohort
 REPLICA_BATCH_SIZE: Final = "ranker_replica_batch_size"  # histogram {cohort}: requests/forward
 
 LOAD_STAGE_BOUNDARIES_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90, 180, 600)
+
+
+# --- rollout controller (a Ray actor; ``ray.util.metrics``) ----------------------------------
+CHECK: Final = "check"  # a judge check's name (rollout.analysis), or "sample_ratio"
+SIDE: Final = "side"  # "against" (the canary) | "for" (it)
+MODEL: Final = "model"
+ROLLOUT_EVIDENCE: Final = "ranker_rollout_evidence"  # gauge {model, check, side}: e-value
+ROLLOUT_EVIDENCE_BOUND: Final = "ranker_rollout_evidence_bound"  # gauge {model, check, side}:
+#                                   the e-value at which that side decides (fail / pass / hold)
 
 
 def exported_name(name: str, *, kind: str) -> str:

@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -33,12 +34,15 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class CohortStats:
-    """One cohort's traffic in one window. Latencies are end-to-end, in milliseconds."""
+    """One cohort's traffic in one window. Latencies are end-to-end, in milliseconds;
+    ``latency_buckets`` is the window's latency histogram as Prometheus keeps it (upper bound
+    ``le`` -> cumulative count, +Inf included), empty when the source gives none."""
 
     requests: int
     errors: Mapping[str, int] = field(default_factory=dict)
     p50_ms: float | None = None
     p99_ms: float | None = None
+    latency_buckets: Mapping[float, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.requests < 0 or any(count < 0 for count in self.errors.values()):
@@ -78,9 +82,14 @@ class WindowStats:
 
 @dataclass(frozen=True)
 class CheckResult:
+    """One check's result. The sequential judge also gives its e-values: the evidence against
+    the canary and for it (None from the threshold judge)."""
+
     name: str
     outcome: Outcome
     reason: str
+    evidence_against: float | None = None
+    evidence_for: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,34 @@ SUCCESS_RATE = "success_rate"
 P99_CEILING = "p99_ceiling"
 ERROR_RATE_VS_STABLE = "error_rate_vs_stable"
 P99_VS_STABLE = "p99_vs_stable"
+
+
+def quantile_from_buckets(q: float, buckets: Mapping[float, float]) -> float | None:
+    """``histogram_quantile``: linear interpolation inside the bucket holding rank q*count.
+
+    ``buckets`` maps upper bound (``le``, +Inf included) to cumulative count.
+    """
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0 or not math.isinf(bounds[-1]):
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                # Beyond the largest finite bound: report that bound, as Prometheus does.
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
 
 
 def _pct(rate: float) -> str:

@@ -25,8 +25,11 @@ Invariants:
   the progress deadline bounds holding.
 - Time the controller could not act (registry or Serve out of reach) is not progress time:
   ``held`` moves the deadlines on by it; serving goes on meanwhile on verified models.
-- Consecutive failed windows reaching ``plan.threshold`` roll back; a passing window resets the
-  count and completes the step.
+- Threshold judge: consecutive failed windows reaching ``plan.threshold`` roll back; a passing
+  window resets the count and completes the step. Sequential judge: a failed window rolls back
+  at once (its evidence already spans every window so far), a passing one completes the
+  step, and the evidence carries on into the next step. A sample-ratio mismatch holds the
+  rollout and raises one alert.
 - Actions are declarative (desired values, not deltas) and ``advance`` is deterministic, so a
   controller that crashes after acting but before persisting re-runs ``advance`` from the old
   state and repeats the same actions harmlessly; re-running it on the new state with the same
@@ -41,14 +44,17 @@ from typing import Literal
 
 from app.contracts import ReplicaPhase
 from rollout.analysis import Outcome, Verdict, WindowStats, judge
+from rollout.sequential import SAMPLE_RATIO, JudgeLevels, enabled_checks, judge_sequential
 from rollout.state import (
     GATE_OPERATOR,
     GATE_PROMOTION,
     VERDICT_HISTORY,
+    EvidenceRecord,
     Phase,
     RolloutState,
     VerdictRecord,
     Weights,
+    capped,
     gated_step,
     step_gate,
 )
@@ -508,12 +514,30 @@ class _Tick:
         if not _is_fresh(s, window):
             return None
         assert window is not None
-        verdict = judge(
-            window,
-            s.plan.checks,
-            min_requests=s.plan.min_requests,
-            baseline_expected=s.weights.stable_bp > 0,
-        )
+        evidence: tuple[EvidenceRecord, ...] = ()
+        if s.plan.judge == "sequential":
+            verdict, s.evidence = judge_sequential(
+                window, s.evidence, s.plan, canary_bp=s.weights.canary_bp
+            )
+            levels = JudgeLevels(s.plan.alpha, s.plan.beta, enabled_checks(s.plan.checks))
+            evidence = tuple(
+                EvidenceRecord(
+                    check=c.name,
+                    against=capped(c.evidence_against),
+                    supporting=None if c.evidence_for is None else capped(c.evidence_for),
+                    fail_at=levels.fail_at if c.evidence_for is not None else 1 / s.plan.alpha,
+                    pass_at=levels.pass_at if c.evidence_for is not None else None,
+                )
+                for c in verdict.checks
+                if c.evidence_against is not None
+            )
+        else:
+            verdict = judge(
+                window,
+                s.plan.checks,
+                min_requests=s.plan.min_requests,
+                baseline_expected=s.weights.stable_bp > 0,
+            )
         s.last_analysis_at = window.end
         s.verdicts.append(
             VerdictRecord(
@@ -522,17 +546,29 @@ class _Tick:
                 canary_bp=s.weights.canary_bp,
                 outcome=verdict.outcome,
                 reasons=verdict.reasons,
+                evidence=evidence,
             )
         )
         del s.verdicts[:-VERDICT_HISTORY]
         self.audit("analysis", f"{self.where()}: {verdict.summary()}")
+        if s.evidence is not None and not s.evidence.mismatch_alerted:
+            mismatch = next((c for c in verdict.checks if c.name == SAMPLE_RATIO), None)
+            if mismatch is not None:
+                s.evidence.mismatch_alerted = True
+                self.audit("sample_ratio_mismatch", f"{self.where()}: {mismatch.reason}")
+                self.emit(Alert("warning", f"rollout {s.rollout_id}: {mismatch.reason}"))
         if verdict.outcome is Outcome.PASS:
             s.failed_checks = 0
         elif verdict.outcome is Outcome.INCONCLUSIVE:
             s.inconclusive_windows += 1
         elif verdict.outcome is Outcome.FAIL:
             s.failed_checks += 1
-            if s.failed_checks >= s.plan.threshold:
+            if s.plan.judge == "sequential":
+                self.withdraw(
+                    Phase.ROLLED_BACK,
+                    f"evidence against the canary at {self.where()}: " + "; ".join(verdict.reasons),
+                )
+            elif s.failed_checks >= s.plan.threshold:
                 self.withdraw(
                     Phase.ROLLED_BACK,
                     f"{s.failed_checks} consecutive failed checks (threshold "

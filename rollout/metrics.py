@@ -17,7 +17,6 @@ Prometheus' ``histogram_quantile`` does.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
 from app.contracts import COHORTS
-from rollout.analysis import CohortStats, WindowStats
+from rollout.analysis import CohortStats, WindowStats, quantile_from_buckets
 
 REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter")
 LATENCY_SERIES = telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram")
@@ -65,35 +64,8 @@ class CohortCounts:
             errors={k: v for k, v in errors.items() if v},
             p50_ms=quantile_from_buckets(0.5, self.buckets),
             p99_ms=quantile_from_buckets(0.99, self.buckets),
+            latency_buckets=dict(self.buckets),
         )
-
-
-def quantile_from_buckets(q: float, buckets: Mapping[float, float]) -> float | None:
-    """``histogram_quantile``: linear interpolation inside the bucket holding rank q*count.
-
-    ``buckets`` maps upper bound (``le``, +Inf included) to cumulative count.
-    """
-    if not buckets:
-        return None
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]]
-    if total <= 0 or not math.isinf(bounds[-1]):
-        return None
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for bound in bounds:
-        count = buckets[bound]
-        if count >= rank:
-            if math.isinf(bound):
-                # Beyond the largest finite bound: report that bound, as Prometheus does.
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                count - lower_count
-            )
-        lower_bound, lower_count = bound, count
-    return lower_bound
 
 
 def parse_exposition(text: str, wanted: Iterable[str]) -> dict[SeriesKey, float]:

@@ -45,7 +45,19 @@ DEFAULT_ERROR_RATE_FLOOR: Final = 0.01
 DEFAULT_P99_MAX_RATIO: Final = 1.5
 DEFAULT_P99_SLACK_MS: Final = 5.0
 
+# The sequential judge's error levels: a canary that meets every hypothesis is rolled back by
+# the judge in at most ALPHA of rollouts; one that misses a hypothesis passes a step in at most
+# BETA of them.
+DEFAULT_JUDGE: Final = "sequential"
+DEFAULT_ALPHA: Final = 0.01
+DEFAULT_BETA: Final = 0.05
+# The canary's share of requests may depart from its weight by this much (relative) before the
+# sample-ratio guard holds the rollout: bucketing by user makes the share vary with which users
+# fall under the weight.
+DEFAULT_SAMPLE_RATIO_TOLERANCE: Final = 0.5
+
 PromotionStrategy = Literal["shift", "in_place"]
+JudgeName = Literal["sequential", "threshold"]
 
 
 def percent_to_bp(percent: float) -> int:
@@ -54,7 +66,11 @@ def percent_to_bp(percent: float) -> int:
 
 
 class AnalysisChecks(BaseModel):
-    """What a canary window must satisfy. A check set to ``None`` is switched off.
+    """The hypotheses a canary must satisfy. A check set to ``None`` is switched off.
+
+    The threshold judge tests them on each window alone; the sequential judge decides them
+    with evidence accumulated over the rollout (rollout/sequential.py), reading ``p99 <= x`` as
+    "at most 1% of requests slower than x".
 
     Relative checks compare the canary with the stable cohort *in the same window*:
     - error rate: ``canary <= max(error_rate_max_ratio x stable, error_rate_floor)``; the floor
@@ -133,6 +149,14 @@ class CanaryScaling(BaseModel):
 class RolloutPlan(BaseModel):
     """How one rollout proceeds (Flagger's ``CanaryAnalysis``, Argo's canary steps).
 
+    - ``judge``: ``sequential`` (the default: evidence accumulated over the rollout, valid
+      however often it is looked at; a window fails the canary as soon as the evidence
+      against it crosses ``checks / alpha``, a step passes when every check shows the canary
+      within its hypothesis at ``1 / beta``) or ``threshold`` (each window judged alone;
+      ``threshold`` consecutive failed windows roll back).
+    - ``alpha`` / ``beta``: the sequential judge's error levels (see above);
+      ``sample_ratio_tolerance``: how far (relative) the canary's share of requests may depart
+      from its weight before the sample-ratio guard holds the rollout.
     - ``steps``: canary weights in percent, strictly increasing, each in (0, 100] and a whole
       number of basis points. Ending at 100 is allowed but not required: promotion always
       follows the last step, and a ``shift`` promotion moves the canary to 100% itself. A step
@@ -140,8 +164,10 @@ class RolloutPlan(BaseModel):
       checks only.
     - ``interval_s``: length of one analysis window; one window is judged per interval.
     - ``min_requests``: requests each cohort must serve in a window for it to count; fewer is
-      inconclusive (hold), never a failure.
-    - ``threshold``: consecutive failed windows that roll back; a passing window resets the count.
+      inconclusive (hold), never a failure. The sequential judge keeps it as a sanity floor:
+      a thinner window's evidence still counts, but a step never passes on it.
+    - ``threshold``: (threshold judge) consecutive failed windows that roll back; a passing
+      window resets the count.
     - ``progress_deadline_s``: longest time a phase or step may wait for progress (replicas
       ready, a conclusive passing window, promotion complete); past it the rollout is withdrawn.
     - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
@@ -151,6 +177,10 @@ class RolloutPlan(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    judge: JudgeName = DEFAULT_JUDGE
+    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, le=0.5)
+    beta: float = Field(default=DEFAULT_BETA, gt=0.0, le=0.5)
+    sample_ratio_tolerance: float = Field(default=DEFAULT_SAMPLE_RATIO_TOLERANCE, gt=0.0, lt=1.0)
     steps: tuple[float, ...] = Field(default=DEFAULT_STEPS, min_length=1)
     interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0.0)
     min_requests: int = Field(default=DEFAULT_MIN_REQUESTS, ge=1)

@@ -15,8 +15,14 @@ from app.contracts import BASIS_POINTS
 from app.contracts import RolloutPhase as Phase
 from rollout.analysis import Outcome
 from rollout.plan import RolloutPlan
+from rollout.sequential import SequentialEvidence
 
-STATE_SCHEMA_VERSION: Final = 1
+# 2 added the sequential judge's evidence; a version 1 state (none yet) is read as having none.
+STATE_SCHEMA_VERSION: Final = 2
+READABLE_SCHEMA_VERSIONS: Final = (1, 2)
+# E-values as records keep them: finite, so they stay valid JSON (PostgreSQL's jsonb refuses
+# Infinity); any value this large is far past every bound.
+EVIDENCE_CAP: Final = 1e15
 VERDICT_HISTORY: Final = 20  # verdicts kept in the state; the audit log keeps them all
 
 
@@ -66,6 +72,25 @@ def gated_step(gate: str | None) -> int | None:
 
 
 @dataclass(frozen=True)
+class EvidenceRecord:
+    """One check's e-values after a window (sequential judge): against the canary and for it,
+    with the bounds they are held to."""
+
+    check: str
+    against: float
+    supporting: float | None
+    fail_at: float
+    pass_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def capped(value: float) -> float:
+    return min(value, EVIDENCE_CAP)
+
+
+@dataclass(frozen=True)
 class VerdictRecord:
     """A judged window as kept in the state (the full check list goes to the audit log)."""
 
@@ -74,6 +99,7 @@ class VerdictRecord:
     canary_bp: int
     outcome: Outcome
     reasons: tuple[str, ...]
+    evidence: tuple[EvidenceRecord, ...] = ()
 
 
 @dataclass
@@ -93,6 +119,8 @@ class RolloutState:
       finished still needs ticks.
     - ``audit_seq`` numbers the audit records, so a replay after a crash produces the same
       keys and the registry can drop the duplicates.
+    - ``evidence`` is the sequential judge's evidence so far (None until its first window, and
+      always with the threshold judge): it carries across steps and across restarts.
     """
 
     plan: RolloutPlan
@@ -119,6 +147,7 @@ class RolloutState:
     pending_gate: str | None = None
     finished: bool = False
     audit_seq: int = 0
+    evidence: SequentialEvidence | None = None
 
     @classmethod
     def new(
@@ -161,18 +190,25 @@ class RolloutState:
         data["plan"] = self.plan.model_dump(mode="json")
         data["phase"] = self.phase.value
         data["verdicts"] = [
-            {**asdict(v), "outcome": v.outcome.value, "reasons": list(v.reasons)}
+            {
+                **asdict(v),
+                "outcome": v.outcome.value,
+                "reasons": list(v.reasons),
+                "evidence": [e.to_dict() for e in v.evidence],
+            }
             for v in self.verdicts
         ]
+        data["evidence"] = self.evidence.to_dict() if self.evidence is not None else None
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutState:
         data = dict(data)
         version = data.pop("schema_version", None)
-        if version != STATE_SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(
-                f"rollout state schema_version {version!r} is not {STATE_SCHEMA_VERSION}"
+                f"rollout state schema_version {version!r} is not one of "
+                f"{list(READABLE_SCHEMA_VERSIONS)}"
             )
         data["plan"] = RolloutPlan.model_validate(data["plan"])
         data["phase"] = Phase(data["phase"])
@@ -184,7 +220,10 @@ class RolloutState:
                 canary_bp=v["canary_bp"],
                 outcome=Outcome(v["outcome"]),
                 reasons=tuple(v["reasons"]),
+                evidence=tuple(EvidenceRecord(**e) for e in v.get("evidence", ())),
             )
             for v in data["verdicts"]
         ]
+        evidence = data.pop("evidence", None)
+        data["evidence"] = SequentialEvidence.from_dict(evidence) if evidence else None
         return cls(**data)

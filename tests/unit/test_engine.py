@@ -39,6 +39,7 @@ V41, V42 = "ranker-v41", "ranker-v42"
 
 PLAN = RolloutPlan.model_validate(
     {
+        "judge": "threshold",  # one window decides: the engine, not the judge, is under test
         "steps": [50],
         "interval_s": 10,
         "min_requests": 10,

@@ -29,6 +29,7 @@ PURE_MODULES = (
     "rollout.state",
     "rollout.machine",
     "rollout.analysis",
+    "rollout.sequential",
 )
 PURE_MUST_NOT_LOAD = ("ray", "torch", "psycopg", "psycopg_pool", "sqlite3", "_sqlite3")
 
