@@ -617,10 +617,26 @@ class HoldView(Contract):
     reason: Text
 
 
+EValue = Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)]
+
+
+class EvidenceView(Contract):
+    """One check's evidence after a window (sequential judge): its e-values against the
+    canary and for it, and the bounds that fail it (``fail_at``) and pass it (``pass_at``;
+    None for the sample-ratio guard, which only holds)."""
+
+    check: Name
+    against: EValue
+    supporting: EValue | None = None
+    fail_at: EValue
+    pass_at: EValue | None = None
+
+
 class VerdictView(Contract):
     step: Annotated[int, Field(ge=-1, le=BASIS_POINTS)]  # as RolloutSummary.step
     outcome: Name
     reasons: tuple[Text, ...] = ()
+    evidence: Annotated[tuple[EvidenceView, ...], Field(max_length=32)] = ()
 
 
 class RolloutEvent(Contract):

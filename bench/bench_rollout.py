@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 PLAN: dict[str, Any] = {
+    "judge": "threshold",  # the bound below is threshold x interval; bench_judge.py compares
     "steps": [25, 50, 100],
     "interval_s": 3,
     "min_requests": 5,

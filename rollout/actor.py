@@ -22,6 +22,7 @@ from rollout.cluster import (
     call,
     find_controller,
 )
+from rollout.controller_metrics import ControllerMetrics
 from rollout.engine import RolloutEngine
 from rollout.machine import Abort, OperatorCommand, Pause, Promote, Resume, Rollback
 from rollout.plan import RolloutPlan
@@ -57,6 +58,7 @@ class RolloutController:
         self.engine = RolloutEngine(self.settings)
         self.engine.resume()
         self.repaired: list[str] | None = None
+        self.metrics = ControllerMetrics()
         self._stop = threading.Event()
         self._ticks = 0
         self._thread = threading.Thread(target=self._loop, name="rollout-ticks", daemon=True)
@@ -76,6 +78,8 @@ class RolloutController:
             try:
                 self.engine.tick()
                 self._ticks += 1
+                live = self.engine.live
+                self.metrics.publish(live.state if live is not None else None)
             except Exception as exc:  # the loop must outlive any one bad tick
                 self.engine.errors.append(f"tick: {type(exc).__name__}: {exc}")
                 log.exception("controller tick failed")

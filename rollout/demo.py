@@ -31,11 +31,13 @@ from rollout.traffic import (
 )
 
 DEMO_PLAN: dict[str, Any] = {
-    "steps": [10, 25, 50, 100],
+    # The default judge: evidence over the rollout. Its first step takes the few hundred canary
+    # requests that showing a 1% tail within bounds needs; later steps pass on a window each.
+    "judge": "sequential",
+    "steps": [20, 50, 100],
     "interval_s": 5,
     "min_requests": 8,
-    "threshold": 3,
-    "progress_deadline_s": 90,
+    "progress_deadline_s": 180,
     "promotion": "shift",
     # A shared 2-core machine is noisy: absolute ceilings and ratios leave room for that.
     "checks": {

@@ -90,6 +90,7 @@ class LiveRollout:
                     "canary_bp": v.canary_bp,
                     "outcome": v.outcome.value,
                     "reasons": list(v.reasons),
+                    "evidence": [e.to_dict() for e in v.evidence],
                 }
                 for v in state.verdicts
             ],

@@ -18,6 +18,7 @@ from app.contracts import (
     COHORTS,
     CohortWindowView,
     ControllerStatus,
+    EvidenceView,
     HoldView,
     InstanceReport,
     PublishedTarget,
@@ -78,6 +79,7 @@ def rollout_summary(
                 step=v.step_index,
                 outcome=v.outcome.value,
                 reasons=tuple(clip_text(r) or "" for r in v.reasons),
+                evidence=tuple(EvidenceView(**e.to_dict()) for e in v.evidence),
             )
             for v in state.verdicts
         ),

@@ -86,7 +86,11 @@ ROLLOUT_APP = "rollout-e2e"
 ROLLOUT_PREFIX = "/rollout"
 BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
 
+# The machine's and the serving path's scenarios use the threshold judge: one short window
+# decides, so they take seconds. The sequential judge's scenarios (tests/e2e/test_judge.py)
+# give it the traffic it needs.
 FAST_PLAN: dict[str, Any] = {
+    "judge": "threshold",
     "steps": [20, 50, 100],
     "interval_s": 3,
     "min_requests": 5,

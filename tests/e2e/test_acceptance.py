@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.contracts import InstanceReport
@@ -150,14 +151,29 @@ def test_bad_candidate_never_serves_and_fails_the_rollout(
 
 
 REGRESSIONS = {
-    # name: (faults in the canary's rank calls, what the rollout's reason must name)
+    # name: (faults in the canary's rank calls, what the threshold judge's reason must name)
     "latency": ({"extra_latency_ms": 1500.0}, "canary p99"),
     "errors": ({"error_rate": 0.5}, "canary success rate"),
 }
+# The sequential judge (the default) on FAST_PLAN's steps, windows and hypotheses: its
+# progress deadline leaves the first step time for the few hundred canary requests it takes
+# to show a 1% tail within bounds at this traffic.
+SEQUENTIAL = plan(judge="sequential", progress_deadline_s=150)
+
+
+def judged(s: Scenario) -> tuple[int, float]:
+    """Windows the finished rollout judged, and seconds from its first step to its end."""
+    record = s.rollout_record()
+    assert record is not None
+    events = {e["event"]: float(e["at"]) for e in reversed(s.events())}
+    return len(record.verdicts), events[record.phase] - events["step"]
 
 
 @pytest.mark.parametrize("kind", list(REGRESSIONS))
 def test_canary_regression_rolls_back_to_stable(scenario: Scenario, kind: str) -> None:
+    """The same regression under both judges, one rollout each: both roll it back, the
+    sequential judge on its first failing window (no consecutive-window counter) and in no
+    more windows than the threshold judge."""
     s = scenario
     faults, failed_check = REGRESSIONS[kind]
     s.given.stable_on(BASELINE).canary_faults(**faults).steady_traffic(rate=35)
@@ -172,6 +188,24 @@ def test_canary_regression_rolls_back_to_stable(scenario: Scenario, kind: str) -
     )
     s.when.wait_for_finish(timeout=120)
     s.then.expect_phase("rolled_back", reason_has=("consecutive failed checks", failed_check))
+    threshold_windows, threshold_s = judged(s)
+
+    s.when.start_rollout(CANDIDATE, SEQUENTIAL).wait_for_finish(timeout=120)
+    s.then.expect_phase("rolled_back", reason_has=("evidence against the canary", "e-value"))
+    sequential_windows, sequential_s = judged(s)
+    record = s.rollout_record()
+    assert record is not None
+    outcomes = [v["outcome"] for v in record.verdicts]
+    s.check(outcomes.count("fail") == 1 and outcomes[-1] == "fail", f"verdicts {outcomes}")
+    s.note(
+        f"{kind}: threshold judge rolled back after {threshold_windows} windows "
+        f"({threshold_s:.1f}s from the first step), sequential after {sequential_windows} "
+        f"({sequential_s:.1f}s)"
+    )
+    s.check(
+        sequential_windows <= threshold_windows,
+        f"sequential judge needed {sequential_windows} windows, threshold {threshold_windows}",
+    )
     s.when.wait_for_answers(
         "stable only", lambda r: r.cohort == "stable", after="phase rolled_back"
     )
@@ -185,6 +219,65 @@ def test_canary_regression_rolls_back_to_stable(scenario: Scenario, kind: str) -
     s.note(f"failovers absorbed: {failovers}")
     if kind == "errors":
         s.check(failovers > 0, "the canary's injected errors never reached the router")
+
+
+def _twin_of_baseline(root: Path) -> Any:
+    """ranker-v41's very bytes (the same seed) packed as another artifact: an A/A rollout."""
+    from app.demo_artifacts import DEMO_MODEL, FEATURE_SCHEMA, write_ranker_source
+    from app.packing import pack_artifact
+
+    write_ranker_source(root / "src", seed=41, evaluation={"ndcg_at_10": 0.412, "auc": 0.781})
+    return pack_artifact(
+        root / "src",
+        root / "out",
+        model=DEMO_MODEL,
+        artifact_id="ranker-v41-twin",
+        feature_schema=FEATURE_SCHEMA,
+    )
+
+
+def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    s = scenario
+    twin = _twin_of_baseline(tmp_path)
+    s.given.stable_on(BASELINE).candidate(twin).steady_traffic(rate=50)
+    s.when.start_rollout(twin.artifact_id, SEQUENTIAL).wait_for_finish(timeout=300)
+    s.then.expect_phase("succeeded").expect_stable_target(twin.artifact_id)
+    record = s.rollout_record()
+    assert record is not None
+    passes = [v for v in record.verdicts if v["outcome"] == "pass"]
+    s.check(len(passes) == 3, f"one passing window per step: {record.verdicts}")
+    s.check(all(v["outcome"] != "fail" for v in record.verdicts), f"failed: {record.verdicts}")
+    for verdict in passes:
+        s.check(
+            all(
+                "within bound: e-value" in r or r == "no stable traffic to compare"  # at 100%
+                for r in verdict["reasons"]
+            ),
+            f"a pass not explained by its evidence: {verdict['reasons']}",
+        )
+        s.check(
+            {e["check"] for e in verdict["evidence"]} >= {"success_rate", "p99_ceiling"},
+            f"evidence missing from the record: {verdict['evidence']}",
+        )
+    s.note(f"A/A promoted after {len(record.verdicts)} windows")
+
+    # What the dashboard's evidence panel plots, from the running controller.
+    def evidence_series() -> set[tuple[str, str]]:
+        text = httpx.get(s.env.cluster.metrics_url, timeout=10).text
+        found = {
+            (sample.labels.get("check", ""), sample.labels.get("side", ""))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "ray_ranker_rollout_evidence"
+        }
+        return found if ("success_rate", "for") in found else set()
+
+    series = s.wait("evidence gauges exported", evidence_series, 60)
+    s.check(("sample_ratio", "against") in series, f"no sample-ratio series: {series}")
+    s.when.stop_traffic()
+    s.then.expect_failed_requests(at_most=0)
 
 
 # ---------------------------------------------------------------------------------------------

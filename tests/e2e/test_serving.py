@@ -792,11 +792,14 @@ def test_every_metric_the_dashboard_queries_is_exported(serving: Cluster) -> Non
             / "configs/observability/grafana-rollout-dashboard.json"
         ).read_text()
     )
+    # The controller's own series (the judge's evidence) need a rollout: they are checked on
+    # one in tests/e2e/test_judge.py.
     queried = {
         name
         for panel in dashboard["panels"]
         for target in panel["targets"]
         for name in re.findall(r"\b(ray_[a-z0-9_]+)\b", target["expr"])
+        if not name.startswith("ray_ranker_rollout_")
     }
     assert len(queried) >= 10, queried
 

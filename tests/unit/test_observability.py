@@ -27,6 +27,8 @@ KINDS = {
     telemetry.REPLICA_ACTUAL_REVISION: "gauge",
     telemetry.REPLICA_LOAD_STAGE_S: "histogram",
     telemetry.REPLICA_LOAD_FAILURES: "counter",
+    telemetry.ROLLOUT_EVIDENCE: "gauge",
+    telemetry.ROLLOUT_EVIDENCE_BOUND: "gauge",
 }
 RAY_BUILTINS = {"ray_serve_deployment_replica_healthy"}
 
@@ -51,7 +53,8 @@ def test_dashboard_queries_use_exported_metrics_only():
         for name in re.findall(r"\b(ray_[a-z_]+)\b", expr):
             assert name in known, f"{name} in {expr!r} is not exported by the service"
             used.add(name)
-    # Everything the controller judges is on the dashboard.
+    # Everything the controller judges is on the dashboard, and how it judged it.
+    assert telemetry.exported_name(telemetry.ROLLOUT_EVIDENCE, kind="gauge") in used
     assert telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter") in used
     assert (
         telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram") + "_bucket" in used
