@@ -178,8 +178,9 @@ class RolloutPlan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     judge: JudgeName = DEFAULT_JUDGE
-    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, le=0.5)
-    beta: float = Field(default=DEFAULT_BETA, gt=0.0, le=0.5)
+    # Below 1e-6 the bounds (checks / alpha) would pass what status views can show (1e15).
+    alpha: float = Field(default=DEFAULT_ALPHA, ge=1e-6, le=0.5)
+    beta: float = Field(default=DEFAULT_BETA, ge=1e-6, le=0.5)
     sample_ratio_tolerance: float = Field(default=DEFAULT_SAMPLE_RATIO_TOLERANCE, gt=0.0, lt=1.0)
     steps: tuple[float, ...] = Field(default=DEFAULT_STEPS, min_length=1)
     interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0.0)

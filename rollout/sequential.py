@@ -264,6 +264,17 @@ def slower_than(buckets: Mapping[float, float], limit: float) -> tuple[int, int]
     return round(max(certainly, 0.0)), round(max(possibly, 0.0))
 
 
+def _latency_trials(canary: CohortStats, certainly: int, possibly: int) -> tuple[int, int, int]:
+    """``(trials, certainly, possibly)`` for a latency check. The histogram and the request
+    counter are not read at the same instant (the router flushes its counter about once a
+    second; PromQL extrapolates each series on its own), and diverted requests are counted
+    without a latency: the trials are the larger of the two, and requests the histogram does
+    not hold count as possibly slower (never as certainly slower)."""
+    measured = round(canary.latency_buckets.get(math.inf, 0.0))
+    trials = max(canary.requests, measured)
+    return trials, min(certainly, trials), min(possibly + trials - measured, trials)
+
+
 def _stable_reference(stable: CohortStats, side: int) -> float | None:
     """Stable's p99 from its histogram, moved ``REFERENCE_Z`` standard errors of its rank up
     (``side`` +1, for the evidence against the canary) or down (-1, for it). Stable's p99 is
@@ -375,11 +386,13 @@ def _p99_ceiling(
 ) -> CheckResult:
     check = ev.check(P99_CEILING)
     if canary.latency_buckets:
-        certainly, possibly = slower_than(canary.latency_buckets, ceiling_ms)
-        check.against[0].update(certainly, canary.requests, TAIL)
-        check.supporting[0].update(possibly, canary.requests, TAIL)
+        trials, certainly, possibly = _latency_trials(
+            canary, *slower_than(canary.latency_buckets, ceiling_ms)
+        )
+        check.against[0].update(certainly, trials, TAIL)
+        check.supporting[0].update(possibly, trials, TAIL)
         check.add("slower", certainly)
-        check.add("requests", canary.requests)
+        check.add("requests", trials)
     slower, requests = check.counts.get("slower", 0.0), check.counts.get("requests", 0.0)
     facts = (
         f"p99 ceiling: {_pct(_ratio(slower, requests))} of canary requests "
@@ -447,10 +460,11 @@ def _p99_vs_stable(
         if high is not None and low is not None:
             certainly, _ = slower_than(canary.latency_buckets, _limit_from(high, checks))
             _, possibly = slower_than(canary.latency_buckets, _limit_from(low, checks))
-            check.against[0].update(certainly, canary.requests, TAIL)
-            check.supporting[0].update(possibly, canary.requests, TAIL)
+            trials, certainly, possibly = _latency_trials(canary, certainly, possibly)
+            check.against[0].update(certainly, trials, TAIL)
+            check.supporting[0].update(possibly, trials, TAIL)
             check.add("slower", certainly)
-            check.add("requests", canary.requests)
+            check.add("requests", trials)
             check.counts["limit_ms"] = _limit_from(stable.p99_ms or high, checks)
     slower, requests = check.counts.get("slower", 0.0), check.counts.get("requests", 0.0)
     limit = check.counts.get("limit_ms")

@@ -210,7 +210,11 @@ class RolloutState:
                 f"rollout state schema_version {version!r} is not one of "
                 f"{list(READABLE_SCHEMA_VERSIONS)}"
             )
-        data["plan"] = RolloutPlan.model_validate(data["plan"])
+        plan = dict(data["plan"])
+        if version == 1:
+            # Started before there was a choice of judge: it carries on with the one it had.
+            plan.setdefault("judge", "threshold")
+        data["plan"] = RolloutPlan.model_validate(plan)
         data["phase"] = Phase(data["phase"])
         data["weights"] = Weights(**data["weights"])
         data["verdicts"] = [

@@ -87,7 +87,7 @@ ROLLOUT_PREFIX = "/rollout"
 BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
 
 # The machine's and the serving path's scenarios use the threshold judge: one short window
-# decides, so they take seconds. The sequential judge's scenarios (tests/e2e/test_judge.py)
+# decides, so they take seconds. The sequential judge's scenarios (tests/e2e/test_acceptance.py)
 # give it the traffic it needs.
 FAST_PLAN: dict[str, Any] = {
     "judge": "threshold",

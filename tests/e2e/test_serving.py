@@ -793,7 +793,7 @@ def test_every_metric_the_dashboard_queries_is_exported(serving: Cluster) -> Non
         ).read_text()
     )
     # The controller's own series (the judge's evidence) need a rollout: they are checked on
-    # one in tests/e2e/test_judge.py.
+    # one in tests/e2e/test_acceptance.py.
     queried = {
         name
         for panel in dashboard["panels"]

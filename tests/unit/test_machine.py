@@ -45,7 +45,7 @@ V41, V42 = "ranker-v41", "ranker-v42"
 
 # 5% -> 25% -> 50%; the canary pool is 1 replica up to 25%, 2 at 50%, 4 at 100%. The machine's
 # own rules are tested with the threshold judge (one window decides a verdict); the sequential
-# judge's place in the machine is tested in test_sequential_machine.py.
+# judge's place in the machine is tested in test_sequential.py.
 PLAN = RolloutPlan(
     judge="threshold",
     steps=(5, 25, 50),

@@ -341,6 +341,7 @@ def test_a_share_within_tolerance_of_its_weight_is_not_a_mismatch():
     [
         ({"judge": "bayes"}, "judge"),
         ({"alpha": 0}, "alpha"),
+        ({"alpha": 1e-9}, "alpha"),
         ({"alpha": 0.9}, "alpha"),
         ({"beta": -1}, "beta"),
         ({"sample_ratio_tolerance": 1.0}, "sample_ratio_tolerance"),
@@ -465,14 +466,36 @@ def test_a_restarted_controller_judges_the_next_window_exactly_as_before():
     assert live.evidence.to_dict() == resumed.evidence.to_dict()
 
 
-def test_a_state_saved_before_the_sequential_judge_existed_still_loads():
+def test_a_state_saved_before_the_sequential_judge_existed_resumes_on_the_threshold_judge():
     run = Run(traffic(0.001))
     old = run.state.to_dict()
     old["schema_version"] = 1
     old.pop("evidence")
+    for name in ("judge", "alpha", "beta", "sample_ratio_tolerance"):
+        old["plan"].pop(name)  # a version 1 plan had none of these
     for verdict in old["verdicts"]:
         verdict.pop("evidence")
-    assert RolloutState.from_dict(old).evidence is None
+    resumed = RolloutState.from_dict(old)
+    assert resumed.evidence is None
+    assert resumed.plan.judge == "threshold"  # the judge it was started with
+
+
+def test_a_histogram_ahead_of_the_request_counter_is_judged_not_refused():
+    # The router's histogram is recorded per request, its counter flushed about once a
+    # second: a window may hold more timed requests than counted ones, all of them slow.
+    slow = {100.0: 0.0, 5000.0: 0.0, INF: 40.0}
+    plan = RolloutPlan()
+    verdict, evidence = judge_sequential(
+        window(
+            CohortStats(30, {"error": 25}, latency_buckets=slow),
+            CohortStats(1000, latency_buckets={100.0: 1000.0, INF: 1000.0}),
+        ),
+        None,
+        plan,
+        canary_bp=5000,
+    )
+    assert verdict.outcome is Outcome.FAIL, verdict.summary()
+    assert evidence.checks["p99_ceiling"].counts == {"slower": 40, "requests": 40}
 
 
 def test_a_sample_ratio_mismatch_holds_alerts_once_and_the_deadline_ends_it():
