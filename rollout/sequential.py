@@ -265,14 +265,15 @@ def slower_than(buckets: Mapping[float, float], limit: float) -> tuple[int, int]
 
 
 def _latency_trials(canary: CohortStats, certainly: int, possibly: int) -> tuple[int, int, int]:
-    """``(trials, certainly, possibly)`` for a latency check. The histogram and the request
-    counter are not read at the same instant (the router flushes its counter about once a
-    second; PromQL extrapolates each series on its own), and diverted requests are counted
-    without a latency: the trials are the larger of the two, and requests the histogram does
-    not hold count as possibly slower (never as certainly slower)."""
+    """``(trials, certainly, possibly)`` for a latency check: the requests the histogram
+    holds, plus the diverted ones (counted without a latency: possibly slower, never
+    certainly). The request counter is not used: the router flushes it about once a second
+    and PromQL extrapolates each series on its own, so in one window it may be ahead of or
+    behind the histogram."""
     measured = round(canary.latency_buckets.get(math.inf, 0.0))
-    trials = max(canary.requests, measured)
-    return trials, min(certainly, trials), min(possibly + trials - measured, trials)
+    diverted = canary.errors.get("diverted", 0)
+    trials = measured + diverted
+    return trials, min(certainly, trials), min(possibly + diverted, trials)
 
 
 def _stable_reference(stable: CohortStats, side: int) -> float | None:
