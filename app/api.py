@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.contracts import ErrorInfo, ReplicaPhase, WireRequest
+from app.contracts import ErrorInfo, ReplicaPhase, StandbyView, WireRequest
 from app.features import (
     CONTEXT_FIELDS,
     MAX_CANDIDATE_ID_CHARS,
@@ -247,3 +247,5 @@ class StatusResponse(BaseModel):
     # config before it stays in force. None once a valid config arrives.
     config_error: ErrorInfo | None = None
     probe_loop: LoopView = LoopView()
+    # The hot standby (None: the app has no fallback deployment).
+    standby: StandbyView | None = None

@@ -39,6 +39,12 @@ Cohort = Literal["stable", "canary"]
 STABLE: Final = "stable"
 CANARY: Final = "canary"
 COHORTS: Final[tuple[Cohort, Cohort]] = (STABLE, CANARY)
+# What a ranker deployment is: one of the two primary cohorts, or the hot standby the router
+# answers from only while neither primary cohort can (``StandbyConfig``). The fallback has
+# no registry target and takes no part in rollouts: its target comes from the Serve config.
+Role = Literal["stable", "canary", "fallback"]
+FALLBACK: Final = "fallback"
+ROLES: Final[tuple[Role, Role, Role]] = (STABLE, CANARY, FALLBACK)
 
 # Weights are in basis points: 10 000 = 100%.
 BASIS_POINTS: Final = 10_000
@@ -57,6 +63,7 @@ MAX_TEXT: Final = 4000  # characters of a message or reason
 MAX_FIELD_PATH: Final = 400  # characters of a config field path ("user_config.batching....")
 MAX_REPORTED_REVISIONS: Final = 1000  # discarded revisions in one instance report
 MAX_BATCH_SIZE: Final = 1024  # handle calls a replica's @serve.batch may merge into one forward
+MAX_EVALUATION_ENTRIES: Final = 64  # numbers of an offline evaluation a report carries
 
 
 @overload
@@ -341,7 +348,7 @@ class SignatureTrust(Contract):
 class ReplicaConfig(Contract):
     """A ranker deployment's ``user_config``. ``target`` None: an idle pool (no model)."""
 
-    cohort: Cohort
+    cohort: Role
     target: Target | None = None
     batching: BatchingConfig = BatchingConfig()
     memory: MemoryConfig = MemoryConfig()
@@ -377,6 +384,44 @@ class ReplicaConfig(Contract):
 # --------------------------------------------------------------------------- router user_config
 
 
+StandbyPolicy = Literal["auto", "always", "never"]
+
+
+class StandbyConfig(Contract):
+    """When the router answers from the ``fallback`` deployment (when the app has one).
+
+    Each primary cohort (stable, canary) has a breaker (``app.standby``). It opens after
+    ``trip_after_failures`` requests in a row failed or timed out, or ``trip_after_probes``
+    status probes in a row found no replica answering: one slow request never trips it.
+    While no primary cohort can take a request, the fallback answers it.
+
+    Failing back: once probes find an open cohort serving again, it takes
+    ``half_open_share`` of its traffic (half-open); after ``fail_back_after_s`` of that
+    without a failure its share ramps linearly to all of it over ``ramp_s``. A failure in
+    either phase opens the breaker again and the window starts over. Which users come back
+    first is decided by a hash of their key, so a user does not flip between models.
+
+    ``policy``: ``auto`` uses the fallback only while its offline evaluation (the
+    ``accuracy_metric`` of its manifest's ``offline_evaluation``) is at least stable's times
+    ``1 - accuracy_margin``; otherwise requests get 503 + Retry-After rather than a noticeably
+    worse model. ``always`` and ``never`` are an operator's override either way.
+
+    A fallback that is not serving (cold: no replica up yet, or still loading) makes requests
+    wait for it, at most ``cold_queue_max`` at once and each at most ``cold_wait_s``; beyond
+    either, 503 + Retry-After."""
+
+    policy: StandbyPolicy = "auto"
+    trip_after_failures: Annotated[int, Field(ge=1, le=10_000)] = 5
+    trip_after_probes: Annotated[int, Field(ge=1, le=10_000)] = 3
+    fail_back_after_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 120.0
+    half_open_share: Annotated[float, Field(gt=0, le=1)] = 0.05
+    ramp_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 30.0
+    accuracy_metric: Name = "ndcg_at_10"
+    accuracy_margin: Annotated[float, Field(ge=0, le=1)] = 0.05
+    cold_queue_max: Annotated[int, Field(ge=0, le=100_000)] = 64
+    cold_wait_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+
+
 class RouterConfig(Contract):
     """The router's ``user_config``: changed live through ``reconfigure`` (no restart)."""
 
@@ -395,6 +440,8 @@ class RouterConfig(Contract):
     coalesce_calls_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
     coalesce_max_batch: Annotated[int, Field(ge=1, le=1024)] = 64
     probe_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    # Only used when the app has a fallback deployment (AppArgs.fallback).
+    standby: StandbyConfig = StandbyConfig()
 
     @classmethod
     def from_user_config(cls, raw: Mapping[str, Any] | RouterConfig) -> RouterConfig:
@@ -410,7 +457,7 @@ class RouterConfig(Contract):
 
 
 class CohortArgs(Contract):
-    """One ranker deployment (stable or canary)."""
+    """One ranker deployment (stable, canary or fallback)."""
 
     num_replicas: Annotated[int, Field(ge=0, le=10_000)] = 1
     num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25
@@ -436,6 +483,9 @@ class AppArgs(Contract):
 
     stable: CohortArgs = CohortArgs()
     canary: CohortArgs = CohortArgs(num_replicas=1)
+    # The hot standby (RouterConfig.standby says when it answers): typically a smaller model
+    # on cheaper capacity. None: no fallback deployment.
+    fallback: CohortArgs | None = None
     router: RouterConfig = RouterConfig()
     router_replicas: Annotated[int, Field(ge=1, le=10_000)] = 1
     router_num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25
@@ -508,7 +558,7 @@ class InstanceReport(Contract):
     """What a replica tells the rollout controller, on change and every report interval."""
 
     replica_id: Name
-    cohort: Cohort | None  # None until its first user_config
+    cohort: Role | None  # None until its first user_config
     pid: Annotated[int, Field(ge=0, le=1 << 32)]
     phase: ReplicaPhase
     desired_revision: Revision | None = None
@@ -541,10 +591,55 @@ class InstanceReport(Contract):
     config_error: ErrorInfo | None = None
     # Fault injection in effect (tests only; None when off or not allowed here).
     faults: FaultInjection | None = None
+    # The numbers of the serving model's offline evaluation (its manifest's
+    # ``metadata.offline_evaluation``): the router's accuracy guard compares the fallback's
+    # with stable's.
+    evaluation: Annotated[
+        dict[Name, Annotated[float, Field(allow_inf_nan=False)]],
+        Field(max_length=MAX_EVALUATION_ENTRIES),
+    ] = {}
 
     @property
     def serving(self) -> bool:
         return self.actual_revision is not None
+
+
+# --------------------------------------------------------------------------- hot standby
+
+BreakerStateName = Literal["closed", "open", "half_open", "ramping"]
+
+
+class BreakerView(Contract):
+    """A primary cohort's standby breaker, as one router replica sees it."""
+
+    cohort: Cohort
+    state: BreakerStateName
+    in_state_s: Seconds  # since the breaker entered ``state``
+    # The share of the cohort's own traffic it takes now (1 closed, 0 open).
+    share: Annotated[float, Field(ge=0, le=1)]
+    # Until its share is back to 1 if nothing fails meanwhile (None while open: that waits
+    # for the cohort to serve again; 0 when closed).
+    fail_back_in_s: Seconds | None = None
+    opened: Annotated[int, Field(ge=0)] = 0  # times it opened since the router started
+    reason: Text | None = None  # why it last opened
+
+
+class StandbyView(Contract):
+    """The hot standby as one router replica sees it (``/v1/status``, ``rollout status``)."""
+
+    policy: Name
+    # Answers from the fallback now: no primary cohort takes its whole share.
+    serving_from_fallback: bool
+    in_fallback_s: Seconds | None = None  # since it began, while it lasts
+    ready: bool  # a fallback replica serves a verified model
+    allowed: bool  # the accuracy guard (or the operator's policy) lets the fallback answer
+    allowed_reason: Text
+    metric: Name
+    fallback_metric: float | None = None
+    stable_metric: float | None = None
+    answered: Annotated[int, Field(ge=0)] = 0  # requests the fallback answered so far
+    waiting: Annotated[int, Field(ge=0)] = 0  # requests waiting for a cold fallback now
+    breakers: tuple[BreakerView, ...] = ()
 
 
 # --------------------------------------------------------------------------- the data path
@@ -679,7 +774,7 @@ class ReplicaRow(Contract):
     """One replica as ``rollout status`` lists it."""
 
     replica: Name
-    cohort: Cohort | None
+    cohort: Role | None
     phase: ReplicaPhase
     desired: Name | None
     desired_revision: Revision | None = None
@@ -716,6 +811,8 @@ class ControllerStatus(RolloutSummary):
     # Instance reports refused where they arrived (invalid, or a heartbeat too far ahead of
     # the controller's clock) since the controller started (rollout.reports.ReportStore).
     reports_refused: Annotated[int, Field(ge=0)] = 0
+    # The router's hot standby (None: the app has no fallback, or the router did not answer).
+    standby: StandbyView | None = None
 
 
 class ControllerPing(ControllerSettings):

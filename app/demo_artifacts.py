@@ -35,10 +35,15 @@ DEMO_MODEL: Final = "ranker"
 DEMO_PARAMS: Final[Mapping[str, int]] = {"hidden_dim": 128, "num_layers": 3, "context_dim": 8}
 SCORE_BANDS: Final = (("poor", 0.0), ("fair", 0.25), ("good", 0.5), ("excellent", 0.8))
 TORCH_REQUIREMENT: Final = ">=2.4"
-# (artifact_id, seed, offline evaluation)
+# The hot standby's model: half the width, one layer less; its offline ndcg@10 within 5% of
+# ranker-v41's (the default accuracy margin of the router's fallback guard).
+FALLBACK_PARAMS: Final[Mapping[str, int]] = {"hidden_dim": 64, "num_layers": 2, "context_dim": 8}
+DEMO_FALLBACK: Final = "ranker-lite-v1"
+# (artifact_id, seed, architecture params, offline evaluation)
 DEMO_VERSIONS: Final = (
-    ("ranker-v41", 41, {"ndcg_at_10": 0.412, "auc": 0.781}),
-    ("ranker-v42", 42, {"ndcg_at_10": 0.419, "auc": 0.786}),
+    ("ranker-v41", 41, DEMO_PARAMS, {"ndcg_at_10": 0.412, "auc": 0.781}),
+    ("ranker-v42", 42, DEMO_PARAMS, {"ndcg_at_10": 0.419, "auc": 0.786}),
+    (DEMO_FALLBACK, 7, FALLBACK_PARAMS, {"ndcg_at_10": 0.401, "auc": 0.772}),
 )
 
 
@@ -133,16 +138,17 @@ def write_ranker_source(
 
 
 def make_demo_artifacts(out_dir: Path) -> list[PackResult]:
-    """Pack ranker-v41 and ranker-v42 under ``out_dir``. Idempotent: an artifact already there
-    with the same manifest is kept; a different one is an error (artifacts are immutable)."""
+    """Pack ranker-v41, ranker-v42 and the fallback's ranker-lite-v1 under ``out_dir``.
+    Idempotent: an artifact already there with the same manifest is kept; a different one is
+    an error (artifacts are immutable)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for artifact_id, seed, evaluation in DEMO_VERSIONS:
+    for artifact_id, seed, params, evaluation in DEMO_VERSIONS:
         final = out_dir / artifact_id
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{artifact_id}.") as tmp:
             src, staged = Path(tmp) / "src", Path(tmp) / "out"
-            write_ranker_source(src, seed=seed, evaluation=evaluation)
+            write_ranker_source(src, seed=seed, params=params, evaluation=evaluation)
             packed = pack_artifact(
                 src,
                 staged,

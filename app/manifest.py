@@ -101,6 +101,24 @@ class Manifest(BaseModel):
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    def offline_evaluation(self, limit: int = 64) -> dict[str, float]:
+        """The numbers of ``metadata.offline_evaluation`` (e.g. ``{"ndcg_at_10": 0.41}``):
+        finite numbers under names of at most 200 characters, the first ``limit`` by name.
+        Anything else there (the dataset's name, nested blocks) is left out."""
+        block = self.metadata.get("offline_evaluation")
+        if not isinstance(block, dict):
+            return {}
+        numbers = {
+            name: float(value)
+            for name, value in sorted(block.items())
+            if isinstance(name, str)
+            and 0 < len(name) <= 200
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        }
+        return dict(list(numbers.items())[:limit])
+
     def file(self, path: str) -> FileEntry:
         for entry in self.files:
             if entry.path == path:

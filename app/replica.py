@@ -47,6 +47,7 @@ import torch
 
 from app.cache import ArtifactCache
 from app.contracts import (
+    MAX_EVALUATION_ENTRIES,
     MAX_REPORTED_REVISIONS,
     Capacity,
     ErrorInfo,
@@ -396,6 +397,11 @@ class RankerReplica:
             thread_crash=self._thread_crash,
             config_error=self._config_error,
             faults=self._faults.active,
+            evaluation=(
+                model.manifest.offline_evaluation(MAX_EVALUATION_ENTRIES)
+                if isinstance(model, LoadedModel)
+                else {}
+            ),
         )
 
     def _latest_error(self, load_error: ErrorInfo | None) -> ErrorInfo | None:

@@ -145,10 +145,10 @@ class CohortHealth:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """Where to send a request first, and where to fail over to (if anywhere)."""
+    """Where to send a request first, and which primary cohort to fail over to (if any)."""
 
     primary: Cohort
-    fallback: Cohort | None
+    failover_to: Cohort | None  # the other primary cohort (the fallback deployment is apart)
     bucketed: Cohort  # the cohort the weights chose, before breaker and forcing
     reason: str  # "weight", "forced", "breaker_open", "not_serving"
 
@@ -172,13 +172,13 @@ def decide_route(
 ) -> RouteDecision:
     """Weights (or the forcing header) pick a cohort; an open breaker, or a cohort known not
     to serve, sends the request to the other cohort when that one serves; otherwise the other
-    cohort is the single fallback.
+    cohort is the one to fail over to.
 
     A forced request never fails over: a test that forces a cohort wants that cohort's
     answer or its error.
     """
     if forced is not None:
-        return RouteDecision(primary=forced, fallback=None, bucketed=forced, reason="forced")
+        return RouteDecision(primary=forced, failover_to=None, bucketed=forced, reason="forced")
     chosen = choose_cohort(canary_bp=canary_bp, salt=salt, key=key, random_bp=random_bp)
     other = other_cohort(chosen)
     other_ok = failover and can_fail_over_to(other, health, now)
@@ -186,21 +186,14 @@ def decide_route(
     if chosen_state is not None and other_ok:
         if chosen_state.is_open(now):
             return RouteDecision(
-                primary=other, fallback=None, bucketed=chosen, reason="breaker_open"
+                primary=other, failover_to=None, bucketed=chosen, reason="breaker_open"
             )
         if chosen_state.serving is False:
             # Known not to serve (an idle pool, or every probe failed): do not make the
             # request wait for a timeout first.
             return RouteDecision(
-                primary=other, fallback=None, bucketed=chosen, reason="not_serving"
+                primary=other, failover_to=None, bucketed=chosen, reason="not_serving"
             )
     return RouteDecision(
-        primary=chosen, fallback=other if other_ok else None, bucketed=chosen, reason="weight"
+        primary=chosen, failover_to=other if other_ok else None, bucketed=chosen, reason="weight"
     )
-
-
-def should_fail_over(
-    decision: RouteDecision, health: Mapping[str, CohortHealth], now: float
-) -> bool:
-    """After the primary failed: is the fallback (still) able to take the request?"""
-    return decision.fallback is not None and can_fail_over_to(decision.fallback, health, now)

@@ -14,15 +14,18 @@ from __future__ import annotations
 from typing import Final
 
 # --- label keys -------------------------------------------------------------------------
-COHORT: Final = "cohort"  # "stable" | "canary"; on router metrics, the cohort that answered
+COHORT: Final = "cohort"  # "stable" | "canary" | "fallback"; on router metrics, the cohort
+#                           that answered
 OUTCOME: Final = "outcome"  # "ok" | "error" | "diverted", see below
 REASON: Final = "reason"  # rejections: "invalid_request" | "body_too_large" | "draining" |
-#                           "overloaded" | "unavailable"; load failures: the rejection's
-#                           category
+#                           "overloaded" | "unavailable" | "fallback_refused" |
+#                           "fallback_not_ready" | "standby_queue_full"; load failures: the
+#                           rejection's category
 FROM_COHORT: Final = "from_cohort"  # failovers: the cohort that could not answer
 STAGE: Final = "stage"  # "download" | "verify" | "load" | "dry_run" | "paced" | "install" |
 #                         "total" (app.contracts.LoadTimings' fields, and the whole load)
 RESULT: Final = "result"  # load stage result: "ok" | "error"
+STATE: Final = "state"  # standby breaker state: "closed" | "open" | "half_open" | "ramping"
 
 # --- router -----------------------------------------------------------------------------
 ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
@@ -32,6 +35,22 @@ ROUTER_REJECTIONS: Final = "ranker_router_rejections"  # counter {reason}
 ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge, sampled every <= 1 s
 ROUTER_CANARY_WEIGHT_BP: Final = "ranker_router_canary_weight_bp"  # gauge
 ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coalesced calls
+# Hot standby (only an app with a fallback deployment exports these; every <= 1 s):
+ROUTER_BREAKER_STATE: Final = "ranker_router_breaker_state"  # gauge {cohort, state}: 1 for
+#                                                                the breaker's state, else 0
+ROUTER_SERVING_FROM_FALLBACK: Final = "ranker_router_serving_from_fallback"  # gauge: 1 while no
+#                                       primary cohort takes all traffic (alert on it)
+ROUTER_FALLBACK_READY: Final = "ranker_router_fallback_ready"  # gauge: 1 while it serves
+ROUTER_FALLBACK_ALLOWED: Final = "ranker_router_fallback_allowed"  # gauge: the accuracy guard
+ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requests waiting
+#                                                                    for a cold fallback
+STANDBY_GAUGES: Final = (
+    ROUTER_BREAKER_STATE,
+    ROUTER_SERVING_FROM_FALLBACK,
+    ROUTER_FALLBACK_READY,
+    ROUTER_FALLBACK_ALLOWED,
+    ROUTER_FALLBACK_WAITING,
+)
 
 # Outcomes: "error": the cohort could not answer (before failover); "diverted": the weights
 # chose the cohort but the router sent the request elsewhere at once (breaker open, nothing

@@ -3,11 +3,12 @@
 ``build_app(args)`` takes validated ``AppArgs`` (``app.contracts``) and returns the Serve
 ``Application``::
 
-    router (ingress) --> stable  (Ranker, cohort "stable")
-                     \\-> canary  (Ranker, cohort "canary")
+    router (ingress) --> stable    (Ranker, cohort "stable")
+                     \\-> canary    (Ranker, cohort "canary")
+                     \\-> fallback  (Ranker, cohort "fallback"; only with ``args.fallback``)
 
-Stable and canary are two ``.options(name=...)`` copies of ONE replica class that differ only
-in their ``user_config``. Configs point Serve here with
+Stable, canary and the fallback are ``.options(name=...)`` copies of ONE replica class that
+differ only in their ``user_config``. Configs point Serve here with
 ``import_path: deployments.app:build_app`` and pass ``args``; Serve validates them into
 ``AppArgs`` (typed builder).
 
@@ -24,11 +25,12 @@ from typing import Any, Final
 from ray.serve import Application
 
 from app.contracts import (
+    FALLBACK,
     AppArgs,
-    Cohort,
     CohortArgs,
     FaultInjection,
     ReplicaConfig,
+    Role,
     SignatureTrust,
     Target,
 )
@@ -86,7 +88,7 @@ def _resolved_trust(trust: SignatureTrust) -> SignatureTrust:
 
 def replica_config(
     args: AppArgs,
-    cohort: Cohort,
+    cohort: Role,
     target: Target | None,
     faults: FaultInjection | None = None,
 ) -> ReplicaConfig:
@@ -129,8 +131,10 @@ def _ranker_options(
     }
 
 
-def _ranker(args: AppArgs, cohort: Cohort) -> Application:
-    spec = args.stable if cohort == "stable" else args.canary
+def _ranker(args: AppArgs, cohort: Role) -> Application:
+    specs = {"stable": args.stable, "canary": args.canary, FALLBACK: args.fallback}
+    spec = specs[cohort]
+    assert spec is not None
     config = replica_config(args, cohort, resolve_target(spec, args, cohort), spec.faults)
     return Ranker.options(**_ranker_options(cohort, spec, config, args.access_log)).bind()
 
@@ -148,4 +152,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_ongoing_requests=args.router_max_ongoing_requests,
         user_config=args.router.model_dump(mode="json"),
         logging_config={"enable_access_log": args.access_log},
-    ).bind(stable, _ranker(args, "canary"))
+    ).bind(
+        stable,
+        _ranker(args, "canary"),
+        *((_ranker(args, FALLBACK),) if args.fallback is not None else ()),
+    )

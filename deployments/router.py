@@ -45,12 +45,15 @@ from app.contracts import (
     BASIS_POINTS,
     CANARY,
     COHORTS,
+    FALLBACK,
     MAX_FIELD_PATH,
     STABLE,
     AppArgs,
     ErrorInfo,
     InstanceReport,
+    Role,
     RouterConfig,
+    StandbyView,
     WireAnswer,
     WireRequest,
     clip_text,
@@ -58,11 +61,20 @@ from app.contracts import (
 from app.errors import ConfigError
 from app.routing import (
     CohortHealth,
+    can_fail_over_to,
     decide_route,
     parse_forced_cohort,
     request_key,
     says_not_serving,
-    should_fail_over,
+)
+from app.standby import (
+    AccuracyVerdict,
+    BreakerState,
+    PrimaryBreaker,
+    StandbyRoute,
+    accuracy_verdict,
+    route_with_standby,
+    serving_from_fallback,
 )
 
 log = logging.getLogger("ray.serve")
@@ -119,27 +131,75 @@ class RouterMetrics:
         )
 
 
+class StandbyMetrics:
+    """The hot standby's gauges: created only by a router with a fallback deployment."""
+
+    def __init__(self) -> None:
+        self.breaker_state = metrics.Gauge(
+            t.ROUTER_BREAKER_STATE,
+            description="A primary cohort's standby breaker: 1 for its state, 0 for the others.",
+            tag_keys=(t.COHORT, t.STATE),
+        )
+        self.serving_from_fallback = metrics.Gauge(
+            t.ROUTER_SERVING_FROM_FALLBACK,
+            description="1 while no primary cohort takes all traffic (the fallback answers).",
+        )
+        self.ready = metrics.Gauge(
+            t.ROUTER_FALLBACK_READY, description="1 while a fallback replica serves a model."
+        )
+        self.allowed = metrics.Gauge(
+            t.ROUTER_FALLBACK_ALLOWED,
+            description="1 while the accuracy guard (or the policy) lets the fallback answer.",
+        )
+        self.waiting = metrics.Gauge(
+            t.ROUTER_FALLBACK_WAITING, description="Requests waiting for a cold fallback."
+        )
+
+
 def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(payload), status_code=status, media_type=JSON, headers=headers)
 
 
 @serve.deployment(max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS)
 class Router:
-    def __init__(self, stable: DeploymentHandle, canary: DeploymentHandle) -> None:
-        self._handles = {STABLE: stable, CANARY: canary}
+    def __init__(
+        self,
+        stable: DeploymentHandle,
+        canary: DeploymentHandle,
+        fallback: DeploymentHandle | None = None,
+    ) -> None:
+        self._handles: dict[str, DeploymentHandle] = {STABLE: stable, CANARY: canary}
+        if fallback is not None:
+            self._handles[FALLBACK] = fallback
+        # The deployments this router calls: the primary cohorts, and the fallback if any.
+        self._roles: tuple[Role, ...] = tuple(self._handles)  # type: ignore[arg-type]
         self._rank_handles = {c: h.options(method_name="rank") for c, h in self._handles.items()}
         self._config = RouterConfig()
-        self._health = {c: CohortHealth() for c in COHORTS}
+        self._health = {c: CohortHealth() for c in self._roles}
         # Per cohort: replica id -> (when its probe answered, its report).
-        self._views: dict[str, dict[str, tuple[float, InstanceReport]]] = {c: {} for c in COHORTS}
+        self._views: dict[str, dict[str, tuple[float, InstanceReport]]] = {
+            c: {} for c in self._roles
+        }
         self._coalescers = {
             c: CohortCoalescer(
                 self._sender(c),
                 max_calls=self._config.coalesce_calls_per_replica,
                 max_batch=self._config.coalesce_max_batch,
             )
-            for c in COHORTS
+            for c in self._roles
         }
+        # Hot standby (an app with a fallback deployment only).
+        self._standby = fallback is not None
+        self._breakers = {c: PrimaryBreaker(c) for c in COHORTS}
+        # The offline evaluation each role's serving model reported last (kept while the
+        # cohort is down: the guard needs stable's while stable is gone).
+        self._evaluations: dict[str, dict[str, float]] = {}
+        self._verdict: AccuracyVerdict = accuracy_verdict(self._config.standby, None, None)
+        self._fallback_answered = 0
+        self._fallback_waiting = 0
+        self._in_fallback_since: float | None = None
+        self._probe_round = asyncio.Event()  # set (and replaced) after every probe round
+        self._standby_metrics = StandbyMetrics() if self._standby else None
         self._rng = random.Random()
         self._in_flight = 0
         self._request_counts: dict[tuple[str, str], int] = {}
@@ -179,8 +239,12 @@ class Router:
         self._config = config
         self._has_config = True
         self._config_error = None
-        for cohort in COHORTS:
+        for cohort in self._roles:
             self._size_coalescer(cohort)
+        now = time.monotonic()
+        for breaker in self._breakers.values():
+            breaker.reconfigure(config.standby, now)
+        self._update_verdict()
         self._metrics.canary_weight.set(config.canary_bp)
 
     def _size_coalescer(self, cohort: str) -> None:
@@ -247,10 +311,11 @@ class Router:
         next_probe = 0.0
         while True:
             if time.monotonic() >= next_probe:
-                await asyncio.gather(*(self._probe(c) for c in COHORTS))
+                await asyncio.gather(*(self._probe(c) for c in self._roles))
                 self._first_probe.set()
                 self._probe_deaths_in_row = 0
                 next_probe = time.monotonic() + self._config.probe_interval_s
+                self._after_probe_round()
             self._flush_counts()
             await asyncio.sleep(min(1.0, self._config.probe_interval_s))
 
@@ -273,7 +338,13 @@ class Router:
             answered = True
             self._views[cohort][report.replica_id] = (now, report)
             serving = serving or report.serving
+            if report.serving:
+                self._evaluations[cohort] = dict(report.evaluation)
         self._health[cohort].record_probe(serving)
+        if cohort in self._breakers:
+            self._breakers[cohort].record_probe(
+                time.monotonic(), answered=answered, serving=serving
+            )
         if not answered:
             self._views[cohort].clear()
         ttl = REPLICA_VIEW_TTL_INTERVALS * self._config.probe_interval_s
@@ -315,7 +386,9 @@ class Router:
                 await asyncio.wait_for(self._first_probe.wait(), timeout=5.0)
             except TimeoutError:
                 return False
-        return any(self._health[c].serving for c in COHORTS)
+        if any(self._health[c].serving for c in COHORTS):
+            return True
+        return self._standby and bool(self._health[FALLBACK].serving) and self._verdict.allowed
 
     def _reject(self, status: int, reason: str, detail: str, **extra: Any) -> Response:
         self._metrics.rejections.inc(tags={t.REASON: reason})
@@ -354,38 +427,58 @@ class Router:
         except ValueError as exc:
             return self._reject(422, "invalid_request", str(exc), field=COHORT_HEADER)
         wire = to_wire(body)
+        key = request_key(body.user_id, body.session_id)
         decision = decide_route(
             canary_bp=config.canary_bp,
             salt=config.salt,
-            key=request_key(body.user_id, body.session_id),
+            key=key,
             forced=forced,
             health=self._health,
             now=time.monotonic(),
             random_bp=lambda: self._rng.randrange(BASIS_POINTS),
             failover=config.failover,
         )
-        cohort = decision.primary
-        if decision.reason in ("breaker_open", "not_serving"):
+        primaries = (decision.primary,) + (
+            (decision.failover_to,) if decision.failover_to is not None else ()
+        )
+        if self._standby and forced is None:
+            route = await self._standby_route(primaries, key)
+            if not route.destinations:
+                # Meant for a cohort that cannot take it: a failure of that cohort for the
+                # judge, as below.
+                self._count(decision.bucketed, "diverted")
+                return self._refuse_without_fallback(route)
+            destinations: tuple[Role, ...] = route.destinations
+        else:
+            destinations = primaries
+        if destinations[0] != decision.bucketed:
             # Meant for a cohort that cannot take it: a failure of that cohort for the judge
             # (its window must not look empty, "inconclusive", while it fails everything).
             self._count(decision.bucketed, "diverted")
-        try:
-            meta, ranking = await self._coalescers[cohort].submit(wire)
-        except Exception as exc:
-            self._cohort_failed(cohort, exc, started)
-            if not should_fail_over(decision, self._health, time.monotonic()):
-                log.warning("cohort %s could not answer and no failover: %s", cohort, exc)
-                return self._reject(503, "unavailable", f"cohort {cohort} could not answer")
-            assert decision.fallback is not None
-            log.info("failover %s -> %s: %s", cohort, decision.fallback, type(exc).__name__)
-            cohort = decision.fallback
+        answer = None
+        tried: list[str] = []
+        for cohort in destinations:
+            if tried and not can_fail_over_to(cohort, self._health, time.monotonic()):
+                continue  # it stopped serving while the one before was tried
+            if tried:
+                log.info("failover %s -> %s", tried[-1], cohort)
+            tried.append(cohort)
             try:
-                meta, ranking = await self._coalescers[cohort].submit(wire)
-            except Exception as exc2:
-                self._cohort_failed(cohort, exc2, started)
-                log.warning("failover to %s failed too: %s", cohort, exc2)
-                return self._reject(503, "unavailable", "no cohort could answer")
+                answer = await self._coalescers[cohort].submit(wire)
+                break
+            except Exception as exc:
+                self._cohort_failed(cohort, exc, started)
+                log.warning("cohort %s could not answer: %s", cohort, exc)
+        if answer is None:
+            if len(tried) == 1:
+                return self._reject(503, "unavailable", f"cohort {tried[0]} could not answer")
+            return self._reject(503, "unavailable", "no cohort could answer")
+        meta, ranking = answer
         self._health[cohort].record_success()
+        if cohort in self._breakers:
+            self._breakers[cohort].record_success(time.monotonic())
+        elif cohort == FALLBACK:
+            self._fallback_answered += 1
         failover = cohort != decision.bucketed
         if failover:
             self._metrics.failovers.inc(tags={t.FROM_COHORT: decision.bucketed, t.COHORT: cohort})
@@ -412,10 +505,139 @@ class Router:
         self._observe(cohort, "error", started)
         if says_not_serving(exc):
             # No model there (an idle pool, a cleared target): not a failover destination
-            # until a probe sees it serving again, whatever the last probe said.
+            # until a probe sees it serving again, whatever the last probe said. Not a
+            # failure for the standby breaker: nothing is broken there.
             self._health[cohort].record_not_serving(time.monotonic())
         else:
             self._health[cohort].record_failure(time.monotonic())
+            if cohort in self._breakers:
+                why = type(exc).__name__
+                self._breakers[cohort].record_failure(time.monotonic(), why)
+
+    # ------------------------------------------------------------------ hot standby
+
+    def _fallback_ready(self) -> bool:
+        return can_fail_over_to(FALLBACK, self._health, time.monotonic())
+
+    def _route_now(self, primaries: tuple[Role, ...], key: str | None) -> StandbyRoute:
+        return route_with_standby(
+            primaries,  # type: ignore[arg-type]
+            self._breakers,
+            now=time.monotonic(),
+            key=key,
+            random_bp=lambda: self._rng.randrange(BASIS_POINTS),
+            fallback_ready=self._fallback_ready(),
+            verdict=self._verdict,
+        )
+
+    async def _standby_route(self, primaries: tuple[Role, ...], key: str | None) -> StandbyRoute:
+        """Where the request may go; when only a cold fallback could take it, wait for the
+        fallback (or a primary) to serve: at most ``cold_queue_max`` requests at once, each
+        at most ``cold_wait_s``, re-checked after every probe round."""
+        route = self._route_now(primaries, key)
+        if route.destinations or not route.wait_for_fallback:
+            return route
+        standby = self._config.standby
+        if self._fallback_waiting >= standby.cold_queue_max:
+            return StandbyRoute((), wait_for_fallback=True, queue_full=True)
+        deadline = time.monotonic() + standby.cold_wait_s
+        self._fallback_waiting += 1
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._probe_round.wait(), timeout=left)
+                except TimeoutError:
+                    break
+                route = self._route_now(primaries, key)
+                if route.destinations or not route.wait_for_fallback:
+                    return route
+        finally:
+            self._fallback_waiting -= 1
+        return StandbyRoute((), wait_for_fallback=True)
+
+    def _refuse_without_fallback(self, route: StandbyRoute) -> Response:
+        standby = self._config.standby
+        if route.queue_full:
+            return self._reject(
+                503,
+                "standby_queue_full",
+                f"no primary cohort can answer and {standby.cold_queue_max} requests already "
+                f"wait for the fallback (standby.cold_queue_max)",
+            )
+        if route.wait_for_fallback:
+            return self._reject(
+                503,
+                "fallback_not_ready",
+                f"no primary cohort can answer and the fallback is not serving after "
+                f"{standby.cold_wait_s:g} s (standby.cold_wait_s)",
+            )
+        return self._reject(
+            503,
+            "fallback_refused",
+            f"no primary cohort can answer and the fallback may not: {route.refused}",
+        )
+
+    def _update_verdict(self) -> None:
+        self._verdict = accuracy_verdict(
+            self._config.standby, self._evaluations.get(FALLBACK), self._evaluations.get(STABLE)
+        )
+
+    def _after_probe_round(self) -> None:
+        if self._standby:
+            self._update_verdict()
+            now = time.monotonic()
+            serving = {c: self._health[c].serving for c in COHORTS}
+            if serving_from_fallback(self._breakers, serving, now):
+                if self._in_fallback_since is None:
+                    self._in_fallback_since = now
+                    log.warning("serving from the fallback: no primary cohort takes all traffic")
+            elif self._in_fallback_since is not None:
+                log.warning(
+                    "back on the primary cohorts after %.1f s on the fallback",
+                    now - self._in_fallback_since,
+                )
+                self._in_fallback_since = None
+        # Waiters re-check the route after every round.
+        event, self._probe_round = self._probe_round, asyncio.Event()
+        event.set()
+
+    def standby_view(self) -> StandbyView | None:
+        if not self._standby:
+            return None
+        now = time.monotonic()
+        verdict = self._verdict
+        since = self._in_fallback_since
+        return StandbyView(
+            policy=self._config.standby.policy,
+            serving_from_fallback=since is not None,
+            in_fallback_s=None if since is None else round(now - since, 3),
+            ready=self._fallback_ready(),
+            allowed=verdict.allowed,
+            allowed_reason=clip_text(verdict.reason),
+            metric=self._config.standby.accuracy_metric,
+            fallback_metric=verdict.fallback_metric,
+            stable_metric=verdict.stable_metric,
+            answered=self._fallback_answered,
+            waiting=self._fallback_waiting,
+            breakers=tuple(self._breakers[c].view(now) for c in COHORTS),
+        )
+
+    def _export_standby(self) -> None:
+        gauges = self._standby_metrics
+        if gauges is None:
+            return
+        now = time.monotonic()
+        for cohort, breaker in self._breakers.items():
+            breaker.advance(now)
+            for state in BreakerState:
+                gauges.breaker_state.set(
+                    1.0 if breaker.state is state else 0.0,
+                    tags={t.COHORT: cohort, t.STATE: state.value},
+                )
+        gauges.serving_from_fallback.set(1.0 if self._in_fallback_since is not None else 0.0)
+        gauges.ready.set(1.0 if self._fallback_ready() else 0.0)
+        gauges.allowed.set(1.0 if self._verdict.allowed else 0.0)
+        gauges.waiting.set(self._fallback_waiting)
 
     def _count(self, cohort: str, outcome: str) -> None:
         key = (cohort, outcome)
@@ -437,14 +659,19 @@ class Router:
         # export intervals: a weight set once at reconfigure would vanish from the scrape).
         self._metrics.in_flight.set(self._in_flight)
         self._metrics.canary_weight.set(self._config.canary_bp)
+        self._export_standby()
 
     # ------------------------------------------------------------------ status
 
     def status(self) -> StatusResponse:
         now = time.monotonic()
-        weights = {CANARY: self._config.canary_bp, STABLE: BASIS_POINTS - self._config.canary_bp}
+        weights = {
+            CANARY: self._config.canary_bp,
+            STABLE: BASIS_POINTS - self._config.canary_bp,
+            FALLBACK: 0,
+        }
         cohorts = []
-        for cohort in COHORTS:
+        for cohort in self._roles:
             replicas = []
             for rid, (seen, rep) in sorted(self._views[cohort].items()):
                 replicas.append(
@@ -482,6 +709,7 @@ class Router:
             cohorts=cohorts,
             config_error=self._config_error,
             probe_loop=probe_loop,
+            standby=self.standby_view(),
         )
 
     def __del__(self) -> None:

@@ -61,19 +61,22 @@ def test_unknown_precision_or_runtime_is_a_config_error(tmp_path: Path):
 def test_demo_artifacts_are_deterministic_distinct_and_load(tmp_path: Path):
     first = make_demo_artifacts(tmp_path / "one")
     second = make_demo_artifacts(tmp_path / "two")
-    assert [r.artifact_id for r in first] == ["ranker-v41", "ranker-v42"]
+    assert [r.artifact_id for r in first] == ["ranker-v41", "ranker-v42", "ranker-lite-v1"]
     assert [r.manifest_sha256 for r in first] == [r.manifest_sha256 for r in second]
     assert first[0].manifest_sha256 != first[1].manifest_sha256
 
     manifests = [
         parse_manifest((r.out_dir / MANIFEST_NAME).read_bytes(), r.manifest_sha256) for r in first
     ]
-    v41, v42 = manifests
+    v41, v42, lite = manifests
     assert v41.feature_schema == v42.feature_schema == FEATURE_SCHEMA
     assert v41.runtime == v42.runtime == "safetensors"
     assert v41.architecture == v42.architecture
     assert v41.file("weights.safetensors").sha256 != v42.file("weights.safetensors").sha256
     assert v42.metadata["offline_evaluation"]["ndcg_at_10"] > 0
+    # The fallback's model: smaller, within the guard's default 5% of v41's ndcg@10.
+    assert lite.architecture.params["hidden_dim"] < v41.architecture.params["hidden_dim"]
+    assert lite.offline_evaluation()["ndcg_at_10"] >= 0.95 * v41.offline_evaluation()["ndcg_at_10"]
 
     cache = ArtifactCache(tmp_path / "cache")
     request = WireRequest(
@@ -88,14 +91,18 @@ def test_demo_artifacts_are_deterministic_distinct_and_load(tmp_path: Path):
             cache.fetch_verified(r.manifest_uri, r.manifest_sha256), device=torch.device("cpu")
         )
         answers.append(model.rank_batch([request])[0])
-    assert answers[0] != answers[1]  # different weights, different scores
+    assert answers[0] != answers[1] != answers[2]  # different weights, different scores
 
 
 def test_rerun_into_the_same_directory_is_idempotent_but_never_overwrites(tmp_path: Path):
     first = make_demo_artifacts(tmp_path)
     again = make_demo_artifacts(tmp_path)
     assert again == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ranker-v41", "ranker-v42"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ranker-lite-v1",
+        "ranker-v41",
+        "ranker-v42",
+    ]
 
     manifest = tmp_path / "ranker-v42" / MANIFEST_NAME
     manifest.write_bytes(manifest.read_bytes() + b" ")

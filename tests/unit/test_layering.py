@@ -25,6 +25,8 @@ PURE_MODULES = (
     "app.generations",
     "app.contracts",
     "app.safe_text",
+    "app.routing",
+    "app.standby",
     "rollout.plan",
     "rollout.state",
     "rollout.machine",

@@ -184,10 +184,13 @@ def test_a_cleared_target_retires_the_model_and_a_newer_one_loads(
     serving: RankerReplica, tmp_path: Path, demo
 ) -> None:
     model = serving._holder.current.model  # type: ignore[union-attr]
+    # The serving model's offline evaluation travels in its reports (the router's fallback
+    # guard reads it); numbers only.
+    assert serving.report().evaluation == {"auc": 0.786, "examples": 200000.0, "ndcg_at_10": 0.419}
     assert serving.reconfigure(config(tmp_path, target=None)) is True
     report = serving.report()
     assert (report.phase, report.actual_revision, report.actual_artifact) == ("idle", None, None)
-    assert report.desired_revision is None
+    assert report.desired_revision is None and report.evaluation == {}
     with pytest.raises(ReplicaNotReady):
         serving.rank([request()])
     assert serving._holder.wait_idle(TIMEOUT) and model.closed  # cleaned up, lease released
@@ -198,6 +201,7 @@ def test_a_cleared_target_retires_the_model_and_a_newer_one_loads(
     )
     assert serving.rank([request()]).model.artifact_id == "ranker-v41"
     assert serving.report().phase == "ready"
+    assert serving.report().evaluation["ndcg_at_10"] == 0.412
 
 
 def test_an_older_revision_after_a_clear_is_ignored(

@@ -17,7 +17,6 @@ from app.routing import (
     parse_forced_cohort,
     request_key,
     says_not_serving,
-    should_fail_over,
 )
 
 
@@ -115,7 +114,7 @@ def test_fallback_only_to_a_cohort_that_serves() -> None:
         now=0.0,
         random_bp=never_random,
     )
-    assert (d.primary, d.fallback) == ("stable", None)  # the idle canary pool is no fallback
+    assert (d.primary, d.failover_to) == ("stable", None)  # the idle canary pool is no fallback
     health["canary"] = serving()
     d = decide_route(
         canary_bp=10000,
@@ -126,7 +125,7 @@ def test_fallback_only_to_a_cohort_that_serves() -> None:
         now=0.0,
         random_bp=never_random,
     )
-    assert (d.primary, d.fallback, d.reason) == ("canary", "stable", "weight")
+    assert (d.primary, d.failover_to, d.reason) == ("canary", "stable", "weight")
 
 
 def test_open_breaker_sends_traffic_to_the_other_cohort_until_it_expires() -> None:
@@ -156,7 +155,7 @@ def test_breaker_stays_on_the_chosen_cohort_when_the_other_cannot_serve() -> Non
         now=0.1,
         random_bp=never_random,
     )
-    assert (d.primary, d.fallback) == ("canary", None)
+    assert (d.primary, d.failover_to) == ("canary", None)
 
 
 def test_forced_requests_never_fail_over() -> None:
@@ -170,7 +169,7 @@ def test_forced_requests_never_fail_over() -> None:
         now=0.0,
         random_bp=never_random,
     )
-    assert (d.primary, d.fallback, d.reason) == ("canary", None, "forced")
+    assert (d.primary, d.failover_to, d.reason) == ("canary", None, "forced")
 
 
 def test_failover_rechecks_the_fallback_after_the_primary_failed() -> None:
@@ -184,9 +183,9 @@ def test_failover_rechecks_the_fallback_after_the_primary_failed() -> None:
         now=0.0,
         random_bp=never_random,
     )
-    assert should_fail_over(d, health, now=0.0)
+    assert d.failover_to == "stable" and can_fail_over_to(d.failover_to, health, now=0.0)
     health["stable"].record_failure(now=0.0)
-    assert not should_fail_over(d, health, now=0.1)
+    assert not can_fail_over_to(d.failover_to, health, now=0.1)
 
 
 def test_failover_can_be_disabled() -> None:
@@ -201,7 +200,7 @@ def test_failover_can_be_disabled() -> None:
         random_bp=never_random,
         failover=False,
     )
-    assert d.fallback is None
+    assert d.failover_to is None
 
 
 def test_probe_answers_open_and_close_the_view() -> None:
@@ -269,7 +268,7 @@ def test_a_cohort_that_says_it_serves_nothing_is_no_failover_target() -> None:
         now=later,
         random_bp=never_random,
     )
-    assert d.primary == "stable" and d.fallback is None
+    assert d.primary == "stable" and d.failover_to is None
     assert not can_fail_over_to("canary", health, later)
     health["canary"].record_probe(True)
     assert can_fail_over_to("canary", health, later)

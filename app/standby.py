@@ -1,0 +1,284 @@
+"""Hot standby: when the router answers from the fallback deployment, and when it comes back.
+
+Pure: no Ray, no clock of its own, no I/O. The router feeds each primary cohort's breaker what
+it sees (answers, failures, status probes) with ``now``, and asks where a request may go.
+
+A breaker per primary cohort (stable, canary)::
+
+    closed --(trip_after_failures failed requests in a row,
+              or trip_after_probes probes in a row that no replica answered)--> open
+    open --(a probe finds the cohort serving)--> half_open   (half_open_share of its traffic)
+    half_open --(fail_back_after_s without a failure)--> ramping  (share grows to 1 over ramp_s)
+    ramping --(ramp_s without a failure)--> closed
+    half_open / ramping --(any failure: a request, or a probe no replica answered)--> open
+
+A cohort that answers its probes but has no model (an idle canary pool, a first load) is not
+failing: routing already skips it (``app.routing``), and opening its breaker would make a
+rollout's canary wait out a fail-back window before taking its weight.
+
+Traffic follows the breakers: a request goes to its bucketed cohort if that cohort's breaker
+admits it, else to the other primary cohort if that one's does, and the fallback is the last
+resort, after the primaries, for a request they could not answer. Whether a partly open cohort
+(half-open, ramping) admits a request is decided by a hash of the request's key against its
+share, so the users who come back first stay back and nobody flips between models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+from app.contracts import (
+    BASIS_POINTS,
+    COHORTS,
+    FALLBACK,
+    BreakerView,
+    Cohort,
+    Role,
+    StandbyConfig,
+    clip_text,
+)
+
+# The key of the hash that decides which users a partly open cohort takes; another key than
+# the weights' bucketing, so the users who come back first are not the canary's users.
+_ADMISSION_SALT: Final = b"standby-admission"
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+    RAMPING = "ramping"
+
+
+@dataclass
+class PrimaryBreaker:
+    """One primary cohort's breaker on the router's monotonic clock (see the module)."""
+
+    cohort: Cohort
+    config: StandbyConfig = field(default_factory=StandbyConfig)
+    state: BreakerState = BreakerState.CLOSED
+    since: float = 0.0
+    failures_in_row: int = 0
+    unanswered_probes_in_row: int = 0
+    opened: int = 0
+    reason: str | None = None
+
+    # ------------------------------------------------------------------ evidence
+
+    def record_success(self, now: float) -> None:
+        self.advance(now)
+        self.failures_in_row = 0
+
+    def record_failure(self, now: float, why: str) -> None:
+        """A request the cohort failed or did not answer in time."""
+        self.advance(now)
+        self.failures_in_row += 1
+        if self.state is BreakerState.CLOSED:
+            if self.failures_in_row >= self.config.trip_after_failures:
+                self._open(now, f"{self.failures_in_row} requests in a row failed (last: {why})")
+        elif self.state is not BreakerState.OPEN:
+            self._open(now, f"failed again while failing back: {why}")
+
+    def record_probe(self, now: float, *, answered: bool, serving: bool) -> None:
+        """A status probe: did any replica answer, and does one serve a model?"""
+        self.advance(now)
+        if not answered:
+            self.unanswered_probes_in_row += 1
+            if self.state is BreakerState.CLOSED:
+                if self.unanswered_probes_in_row >= self.config.trip_after_probes:
+                    self._open(now, f"{self.unanswered_probes_in_row} probes in a row unanswered")
+            elif self.state is not BreakerState.OPEN:
+                self._open(now, "a probe went unanswered while failing back")
+            return
+        self.unanswered_probes_in_row = 0
+        if serving and self.state is BreakerState.OPEN:
+            self._enter(BreakerState.HALF_OPEN, now)
+
+    def reconfigure(self, config: StandbyConfig, now: float) -> None:
+        self.advance(now)
+        self.config = config
+        self.advance(now)
+
+    # ------------------------------------------------------------------ time
+
+    def advance(self, now: float) -> None:
+        """The transitions time alone makes: half-open -> ramping -> closed."""
+        window, ramp = self.config.fail_back_after_s, self.config.ramp_s
+        if self.state is BreakerState.HALF_OPEN and now - self.since >= window:
+            self._enter(BreakerState.RAMPING, self.since + window)
+        if self.state is BreakerState.RAMPING and now - self.since >= ramp:
+            self._enter(BreakerState.CLOSED, self.since + ramp)
+
+    def share(self, now: float) -> float:
+        """The share of the cohort's own traffic it takes now."""
+        self.advance(now)
+        if self.state is BreakerState.CLOSED:
+            return 1.0
+        if self.state is BreakerState.OPEN:
+            return 0.0
+        low = self.config.half_open_share
+        if self.state is BreakerState.HALF_OPEN:
+            return low
+        ramp = self.config.ramp_s
+        progress = 1.0 if ramp <= 0 else min(1.0, (now - self.since) / ramp)
+        return low + (1.0 - low) * progress
+
+    def fail_back_in(self, now: float) -> float | None:
+        """Seconds until the share is back to 1 if nothing fails (None while open)."""
+        self.advance(now)
+        c = self.config
+        if self.state is BreakerState.CLOSED:
+            return 0.0
+        if self.state is BreakerState.OPEN:
+            return None
+        if self.state is BreakerState.HALF_OPEN:
+            return max(0.0, self.since + c.fail_back_after_s - now) + c.ramp_s
+        return max(0.0, self.since + c.ramp_s - now)
+
+    def admits(self, now: float, key: str | None, random_bp: Callable[[], int]) -> bool:
+        share = self.share(now)
+        if share >= 1.0:
+            return True
+        if share <= 0.0:
+            return False
+        point = admission_point(key) if key else random_bp()
+        return point < share * BASIS_POINTS
+
+    def view(self, now: float) -> BreakerView:
+        self.advance(now)
+        return BreakerView(
+            cohort=self.cohort,
+            state=self.state.value,
+            in_state_s=round(max(0.0, now - self.since), 3),
+            share=round(self.share(now), 4),
+            fail_back_in_s=_rounded(self.fail_back_in(now)),
+            opened=self.opened,
+            reason=clip_text(self.reason),
+        )
+
+    # ------------------------------------------------------------------ transitions
+
+    def _open(self, now: float, reason: str) -> None:
+        self._enter(BreakerState.OPEN, now)
+        self.opened += 1
+        self.reason = reason
+
+    def _enter(self, state: BreakerState, at: float) -> None:
+        self.state = state
+        self.since = at
+        self.failures_in_row = 0
+        self.unanswered_probes_in_row = 0
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def admission_point(key: str) -> int:
+    """The key's point in [0, 10 000) for a partly open cohort (stable across processes)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, key=_ADMISSION_SALT).digest()
+    return int.from_bytes(digest, "big") % BASIS_POINTS
+
+
+# --------------------------------------------------------------------------- accuracy guard
+
+
+@dataclass(frozen=True)
+class AccuracyVerdict:
+    allowed: bool
+    reason: str
+    fallback_metric: float | None
+    stable_metric: float | None
+
+
+def accuracy_verdict(
+    config: StandbyConfig,
+    fallback: Mapping[str, float] | None,
+    stable: Mapping[str, float] | None,
+) -> AccuracyVerdict:
+    """May the fallback answer? ``fallback`` and ``stable``: the offline evaluations their
+    serving models report (None: not known yet). Under ``auto`` a number missing on either
+    side refuses: the guard cannot tell how much worse the fallback is."""
+    metric = config.accuracy_metric
+    fb = None if fallback is None else fallback.get(metric)
+    st = None if stable is None else stable.get(metric)
+    if config.policy == "always":
+        return AccuracyVerdict(True, "policy always: the operator allows the fallback", fb, st)
+    if config.policy == "never":
+        return AccuracyVerdict(False, "policy never: the operator refuses the fallback", fb, st)
+    if fb is None:
+        return AccuracyVerdict(
+            False, f"the fallback's model reports no offline {metric}: refused", fb, st
+        )
+    if st is None:
+        return AccuracyVerdict(
+            False, f"stable's model has reported no offline {metric}: refused", fb, st
+        )
+    floor = st * (1.0 - config.accuracy_margin)
+    relation = f"fallback {metric} {fb:g} vs stable {st:g}, at least {floor:g} needed"
+    if fb >= floor:
+        return AccuracyVerdict(True, f"within {config.accuracy_margin:.0%}: {relation}", fb, st)
+    return AccuracyVerdict(
+        False, f"outside {config.accuracy_margin:.0%}: {relation}; answering 503", fb, st
+    )
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class StandbyRoute:
+    """Where a request may go, in order (primary cohorts first, the fallback last), and why
+    the fallback is not among them when it is not."""
+
+    destinations: tuple[Role, ...]
+    # The fallback would be next but serves no model yet: the request may wait for it.
+    wait_for_fallback: bool = False
+    refused: str | None = None  # why the fallback may not answer (accuracy guard, policy)
+    queue_full: bool = False  # (the router's) too many requests wait for it already
+
+
+def route_with_standby(
+    primaries: Sequence[Cohort],
+    breakers: Mapping[str, PrimaryBreaker],
+    *,
+    now: float,
+    key: str | None,
+    random_bp: Callable[[], int],
+    fallback_ready: bool,
+    verdict: AccuracyVerdict,
+) -> StandbyRoute:
+    """``primaries``: the routing decision's cohorts in order (bucketed or redirected first,
+    then its failover). Each stays if its breaker admits the request; the fallback comes last
+    when the guard allows it, whether or not a primary is left (it answers a request the
+    primaries failed)."""
+    kept = tuple(c for c in primaries if breakers[c].admits(now, key, random_bp))
+    if not verdict.allowed:
+        return StandbyRoute(kept, refused=verdict.reason)
+    if fallback_ready:
+        return StandbyRoute((*kept, FALLBACK))
+    return StandbyRoute(kept, wait_for_fallback=not kept)
+
+
+def serving_from_fallback(
+    breakers: Mapping[str, PrimaryBreaker], serving: Mapping[str, bool | None], now: float
+) -> bool:
+    """No primary cohort can take all traffic (its breaker closed, and a model serving
+    there): some of it is the fallback's to answer. ``serving``: what the probes last saw."""
+    return not any(breakers[c].share(now) >= 1.0 and serving.get(c) is True for c in COHORTS)
+
+
+__all__ = [
+    "AccuracyVerdict",
+    "BreakerState",
+    "PrimaryBreaker",
+    "StandbyRoute",
+    "accuracy_verdict",
+    "admission_point",
+    "route_with_standby",
+    "serving_from_fallback",
+]

@@ -1,0 +1,294 @@
+"""The hot standby's breaker, hysteresis, admission and accuracy guard, on a fake clock.
+
+Each timeline test reads as the router lives it: ``t`` is the router's monotonic clock in
+seconds; a comment says what happens at each instant.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.contracts import RouterConfig, StandbyConfig
+from app.errors import ConfigError
+from app.manifest import Manifest
+from app.standby import (
+    BreakerState,
+    PrimaryBreaker,
+    accuracy_verdict,
+    admission_point,
+    route_with_standby,
+    serving_from_fallback,
+)
+
+CONFIG = StandbyConfig(
+    trip_after_failures=5,
+    trip_after_probes=3,
+    fail_back_after_s=120,
+    half_open_share=0.05,
+    ramp_s=30,
+)
+
+
+def never_random() -> int:
+    raise AssertionError("a keyed request must not use the random source")
+
+
+def breaker(config: StandbyConfig = CONFIG) -> PrimaryBreaker:
+    return PrimaryBreaker("stable", config)
+
+
+def opened_at(t: float) -> PrimaryBreaker:
+    b = breaker()
+    for _ in range(5):
+        b.record_failure(t, "TimeoutError")
+    assert b.state is BreakerState.OPEN and b.since == t
+    return b
+
+
+# --------------------------------------------------------------------------- tripping
+
+
+def test_failures_below_the_minimum_never_trip_and_a_success_starts_the_count_again() -> None:
+    b = breaker()
+    for t in range(4):  # t=0..3: four requests in a row time out
+        b.record_failure(t, "TimeoutError")
+    assert b.state is BreakerState.CLOSED and b.share(4) == 1.0
+    b.record_success(4)  # t=4: one answers
+    for t in range(5, 9):  # t=5..8: four more fail: still not five in a row
+        b.record_failure(t, "TimeoutError")
+    assert b.state is BreakerState.CLOSED
+    b.record_failure(9, "ActorDiedError")  # t=9: the fifth in a row
+    assert b.state is BreakerState.OPEN and b.share(9) == 0.0
+    assert b.opened == 1 and "5 requests in a row failed (last: ActorDiedError)" in b.reason
+
+
+def test_probes_nobody_answers_trip_it_but_a_cohort_without_a_model_does_not() -> None:
+    b = breaker()
+    for t in range(10):  # an idle pool (no target): replicas answer, none serves
+        b.record_probe(t, answered=True, serving=False)
+    assert b.state is BreakerState.CLOSED
+    b.record_probe(10, answered=False, serving=False)  # t=10..11: no replica answers
+    b.record_probe(11, answered=False, serving=False)
+    b.record_probe(12, answered=True, serving=True)  # t=12: one does again: count restarts
+    b.record_probe(13, answered=False, serving=False)
+    b.record_probe(14, answered=False, serving=False)
+    assert b.state is BreakerState.CLOSED
+    b.record_probe(15, answered=False, serving=False)  # t=15: the third in a row
+    assert b.state is BreakerState.OPEN and "3 probes in a row unanswered" in b.reason
+
+
+# --------------------------------------------------------------------------- hysteresis
+
+
+def test_fail_back_waits_out_the_window_half_open_then_ramps() -> None:
+    b = opened_at(10)  # t=10: stable's replicas die; the fallback answers
+    b.record_probe(20, answered=False, serving=False)  # t=20: still gone
+    assert b.state is BreakerState.OPEN and b.share(20) == 0.0
+    assert b.fail_back_in(20) is None  # nothing to count down until it serves again
+    b.record_probe(30, answered=True, serving=True)  # t=30: Serve restarted them, serving
+    assert b.state is BreakerState.HALF_OPEN and b.share(30) == pytest.approx(0.05)
+    assert b.fail_back_in(30) == pytest.approx(120 + 30)
+    for t in range(31, 150):  # t=31..149: the probe share answers, probes see it serving
+        b.record_success(t)
+        b.record_probe(t, answered=True, serving=True)
+    assert b.state is BreakerState.HALF_OPEN and b.share(149.9) == pytest.approx(0.05)
+    assert b.share(150) == pytest.approx(0.05)  # t=150: window over: the ramp starts
+    assert b.state is BreakerState.RAMPING and b.since == 150
+    assert b.share(165) == pytest.approx(0.05 + 0.95 / 2)  # t=165: half way up
+    assert b.fail_back_in(165) == pytest.approx(15)
+    assert b.share(180) == 1.0 and b.state is BreakerState.CLOSED  # t=180: all back
+
+
+def test_a_failure_inside_the_window_resets_it_no_flapping() -> None:
+    b = opened_at(0)
+    b.record_probe(10, answered=True, serving=True)  # t=10: back: half-open
+    b.record_failure(100, "ActorDiedError")  # t=100: one probe-share request fails
+    assert b.state is BreakerState.OPEN and b.opened == 2
+    assert "failed again while failing back" in b.reason
+    assert b.share(131) == 0.0  # t=131: would have ramped from the first recovery: does not
+    b.record_probe(140, answered=True, serving=True)  # t=140: serving again
+    assert b.state is BreakerState.HALF_OPEN
+    assert b.share(259) == pytest.approx(0.05)  # the window counts from t=140 ...
+    assert b.share(260) == pytest.approx(0.05) and b.state is BreakerState.RAMPING  # ... to 260
+
+
+def test_a_failure_while_ramping_or_an_unanswered_probe_opens_it_again() -> None:
+    b = opened_at(0)
+    b.record_probe(1, answered=True, serving=True)
+    assert b.share(141) > 0.05 and b.state is BreakerState.RAMPING  # t=141: ramping
+    b.record_failure(141, "TimeoutError")  # one failure, not five: while failing back
+    assert b.state is BreakerState.OPEN and b.share(142) == 0.0
+
+    c = opened_at(0)
+    c.record_probe(1, answered=True, serving=True)
+    c.record_probe(50, answered=False, serving=False)  # one probe nobody answered
+    assert c.state is BreakerState.OPEN
+
+
+def test_zero_window_and_zero_ramp_fail_back_at_once() -> None:
+    b = breaker(CONFIG.model_copy(update={"fail_back_after_s": 0, "ramp_s": 0}))
+    for _ in range(5):
+        b.record_failure(0, "TimeoutError")
+    b.record_probe(1, answered=True, serving=True)
+    assert b.share(1) == 1.0 and b.state is BreakerState.CLOSED
+
+
+def test_the_view_says_state_share_and_time_to_fail_back() -> None:
+    b = opened_at(0)
+    b.record_probe(10, answered=True, serving=True)
+    view = b.view(40)
+    assert (view.cohort, view.state, view.in_state_s) == ("stable", "half_open", 30)
+    assert view.share == 0.05 and view.fail_back_in_s == pytest.approx(90 + 30)
+    assert view.opened == 1 and "in a row failed" in (view.reason or "")
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_a_partly_open_cohort_admits_by_key_and_keeps_the_users_it_took() -> None:
+    b = opened_at(0)
+    b.record_probe(1, answered=True, serving=True)
+    users = [f"u:{i}" for i in range(20_000)]
+    early = {u for u in users if b.admits(2, u, never_random)}  # half-open: 5%
+    assert 0.04 < len(early) / len(users) < 0.06
+    assert early == {u for u in users if b.admits(3, u, never_random)}  # the same users
+    later = {u for u in users if b.admits(121 + 15, u, never_random)}  # ramp half way
+    assert early <= later and 0.49 < len(later) / len(users) < 0.56
+    assert all(0 <= admission_point(u) < 10_000 for u in users[:100])
+
+
+def test_a_request_without_a_key_is_admitted_at_random() -> None:
+    b = opened_at(0)
+    b.record_probe(1, answered=True, serving=True)
+    assert b.admits(2, None, lambda: 499) and not b.admits(2, None, lambda: 500)
+
+
+# --------------------------------------------------------------------------- accuracy guard
+
+
+def test_the_guard_allows_a_fallback_within_the_margin_only() -> None:
+    config = StandbyConfig(accuracy_metric="ndcg_at_10", accuracy_margin=0.05)
+    ok = accuracy_verdict(config, {"ndcg_at_10": 0.40}, {"ndcg_at_10": 0.412})
+    assert ok.allowed and "within 5%" in ok.reason and "0.3914" in ok.reason
+    worse = accuracy_verdict(config, {"ndcg_at_10": 0.35}, {"ndcg_at_10": 0.412})
+    assert not worse.allowed and "outside 5%" in worse.reason
+    assert (worse.fallback_metric, worse.stable_metric) == (0.35, 0.412)
+
+
+@pytest.mark.parametrize(
+    ("fallback", "stable", "words"),
+    [
+        (None, {"ndcg_at_10": 0.4}, "the fallback's model reports no offline ndcg_at_10"),
+        ({"auc": 0.7}, {"ndcg_at_10": 0.4}, "the fallback's model reports no offline"),
+        ({"ndcg_at_10": 0.4}, None, "stable's model has reported no offline ndcg_at_10"),
+    ],
+)
+def test_the_guard_refuses_when_it_cannot_compare(fallback, stable, words) -> None:
+    verdict = accuracy_verdict(StandbyConfig(), fallback, stable)
+    assert not verdict.allowed and words in verdict.reason
+
+
+def test_the_operator_overrides_the_guard_either_way() -> None:
+    worse = ({"ndcg_at_10": 0.1}, {"ndcg_at_10": 0.4})
+    assert accuracy_verdict(StandbyConfig(policy="always"), *worse).allowed
+    better = ({"ndcg_at_10": 0.5}, {"ndcg_at_10": 0.4})
+    refused = accuracy_verdict(StandbyConfig(policy="never"), *better)
+    assert not refused.allowed and "policy never" in refused.reason
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def breakers(stable: PrimaryBreaker, canary: PrimaryBreaker | None = None) -> dict:
+    return {"stable": stable, "canary": canary or PrimaryBreaker("canary", CONFIG)}
+
+
+ALLOWED = accuracy_verdict(StandbyConfig(policy="always"), None, None)
+REFUSED = accuracy_verdict(StandbyConfig(), {"ndcg_at_10": 0.1}, {"ndcg_at_10": 0.4})
+
+
+def test_the_fallback_comes_last_and_alone_when_no_primary_admits() -> None:
+    healthy = breakers(breaker())
+    route = route_with_standby(
+        ("stable", "canary"), healthy, now=0, key="u:a", random_bp=never_random,
+        fallback_ready=True, verdict=ALLOWED,
+    )  # fmt: skip
+    assert route.destinations == ("stable", "canary", "fallback")
+    down = breakers(opened_at(0), opened_at(0))
+    route = route_with_standby(
+        ("stable", "canary"), down, now=1, key="u:a", random_bp=never_random,
+        fallback_ready=True, verdict=ALLOWED,
+    )  # fmt: skip
+    assert route.destinations == ("fallback",)
+
+
+def test_no_destination_when_the_guard_refuses_or_the_fallback_is_cold() -> None:
+    down = breakers(opened_at(0), opened_at(0))
+    refused = route_with_standby(
+        ("stable",), down, now=1, key="u:a", random_bp=never_random,
+        fallback_ready=True, verdict=REFUSED,
+    )  # fmt: skip
+    assert refused.destinations == () and "outside 5%" in (refused.refused or "")
+    assert not refused.wait_for_fallback
+    cold = route_with_standby(
+        ("stable",), down, now=1, key="u:a", random_bp=never_random,
+        fallback_ready=False, verdict=ALLOWED,
+    )  # fmt: skip
+    assert cold.destinations == () and cold.wait_for_fallback
+    # With a primary left, a cold fallback is no reason to wait: the primary answers.
+    warm_primary = route_with_standby(
+        ("stable",), breakers(breaker()), now=1, key="u:a", random_bp=never_random,
+        fallback_ready=False, verdict=ALLOWED,
+    )  # fmt: skip
+    assert warm_primary.destinations == ("stable",) and not warm_primary.wait_for_fallback
+
+
+def test_serving_from_fallback_means_no_primary_takes_all_traffic() -> None:
+    serving = {"stable": True, "canary": None}
+    assert not serving_from_fallback(breakers(breaker()), serving, 0)
+    down = opened_at(0)
+    assert serving_from_fallback(breakers(down), serving, 1)  # canary: no model known
+    assert not serving_from_fallback(breakers(down), {"stable": True, "canary": True}, 1)
+    down.record_probe(2, answered=True, serving=True)  # half-open: still partly fallback
+    assert serving_from_fallback(breakers(down), serving, 3)
+
+
+# --------------------------------------------------------------------------- config and reports
+
+
+def test_standby_fields_are_validated_by_name() -> None:
+    with pytest.raises(ConfigError) as caught:
+        RouterConfig.from_user_config({"standby": {"half_open_share": 0}})
+    assert caught.value.ids["field"] == "user_config.standby.half_open_share"
+    with pytest.raises(ConfigError) as caught:
+        RouterConfig.from_user_config({"standby": {"policy": "sometimes"}})
+    assert caught.value.ids["field"] == "user_config.standby.policy"
+    with pytest.raises(ConfigError) as caught:
+        RouterConfig.from_user_config({"standby": {"trip_after_failure": 3}})
+    assert caught.value.ids["field"] == "user_config.standby.trip_after_failure"
+
+
+def test_a_manifest_reports_the_numbers_of_its_offline_evaluation_only() -> None:
+    manifest = Manifest.model_validate(
+        {
+            "model": "ranker",
+            "artifact_id": "a",
+            "runtime": "safetensors",
+            "architecture": {"name": "ranker-mlp", "version": 1, "params": {}},
+            "feature_schema": "f",
+            "precision": "fp32",
+            "files": [{"path": "w", "sha256": "0" * 64, "bytes": 1}],
+            "metadata": {
+                "offline_evaluation": {
+                    "dataset": "holdout",
+                    "ndcg_at_10": 0.41,
+                    "auc": 1,
+                    "flag": True,
+                    "nan": float("nan"),
+                    "nested": {"x": 1},
+                }
+            },
+        }
+    )
+    assert manifest.offline_evaluation() == {"auc": 1.0, "ndcg_at_10": 0.41}
+    assert manifest.offline_evaluation(limit=1) == {"auc": 1.0}
