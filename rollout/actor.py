@@ -14,7 +14,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from app.contracts import ControllerPing, ControllerSettings, OperatorCommandName
+from app.contracts import (
+    ControllerPing,
+    ControllerSettings,
+    ControllerStatus,
+    OperatorCommandName,
+    StandbyView,
+)
 from rollout.cluster import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
@@ -29,6 +35,11 @@ from rollout.plan import RolloutPlan
 from rollout.status_view import wire
 
 log = logging.getLogger(__name__)
+
+# How often the controller asks the router for its hot standby's state (status shows it), and
+# how long it waits for an answer.
+STANDBY_POLL_S: Final = 2.0
+STANDBY_TIMEOUT_S: Final = 2.0
 
 COMMANDS: Final[dict[OperatorCommandName, Callable[[str], OperatorCommand]]] = {
     "pause": lambda reason: Pause(reason=reason),
@@ -48,6 +59,22 @@ def absolute_registry_url(url: str) -> str:
     return url
 
 
+def router_handle(app_name: str, router_deployment: str) -> Any:
+    """A Serve handle of the app's router, from a process attached to the cluster. Keep it:
+    each new handle sets up its own routing state in Serve."""
+    from ray import serve
+
+    return serve.get_deployment_handle(router_deployment, app_name=app_name)
+
+
+def router_standby(handle: Any, timeout_s: float) -> StandbyView | None:
+    """One router replica's hot standby (None: the app has no fallback deployment). Raises if
+    the router does not answer within ``timeout_s``."""
+    answer = handle.status.remote().result(timeout_s=timeout_s)
+    standby = getattr(answer, "standby", None)
+    return None if standby is None else StandbyView.model_validate(standby)
+
+
 class RolloutController:
     """The detached, named controller actor (one per cluster): ticks its engine on a
     background thread and serves the CLI and the replicas' reports."""
@@ -63,6 +90,25 @@ class RolloutController:
         self._ticks = 0
         self._thread = threading.Thread(target=self._loop, name="rollout-ticks", daemon=True)
         self._thread.start()
+        # The router's hot standby, polled on a thread of its own: a router that does not
+        # answer must not slow the ticks or the status answers.
+        self._standby: StandbyView | None = None
+        self._standby_thread = threading.Thread(
+            target=self._poll_standby, name="rollout-standby", daemon=True
+        )
+        self._standby_thread.start()
+
+    def _poll_standby(self) -> None:
+        handle = None
+        while not self._stop.wait(STANDBY_POLL_S):
+            try:
+                if handle is None:
+                    s = self.settings
+                    handle = router_handle(s.app_name, s.router_deployment)
+                self._standby = router_standby(handle, STANDBY_TIMEOUT_S)
+            except Exception as exc:  # no app yet, a router restarting: shown as unknown
+                log.debug("router standby not read: %s", exc)
+                self._standby = None
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.tick_interval_s):
@@ -115,7 +161,10 @@ class RolloutController:
         return wire(target.published())
 
     def status(self) -> dict[str, Any]:
-        return wire(self.engine.view())
+        view = self.engine.view()
+        if isinstance(view, ControllerStatus) and self._standby is not None:
+            view = view.model_copy(update={"standby": self._standby})
+        return wire(view)
 
     def tick(self) -> dict[str, Any] | None:
         summary = self.engine.tick()

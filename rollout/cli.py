@@ -30,12 +30,14 @@ from app.contracts import (
     OperatorCommandName,
     PublishedTarget,
     RolloutSummary,
+    StandbyView,
     clip_text,
 )
 from app.errors import (
     ArtifactRejected,
     ConfigError,
     FetchFailed,
+    NotFound,
     RolloutSystemError,
 )
 from app.manifest import Architecture, is_sha256_hex
@@ -63,7 +65,7 @@ from rollout.exit_codes import (
     exit_code_for,
     exit_code_for_phase,
 )
-from rollout.status_view import render_status
+from rollout.status_view import render_status, standby_lines
 
 DEFAULT_CACHE_DIR: Final = "var/cache"
 
@@ -557,6 +559,81 @@ def rollback_command(
     )
     target = PublishedTarget.model_validate(answer)
     emit({"stable": target.artifact_id, "revision": target.revision})
+
+
+def _standby_view(handle: Any, app_name: str, timeout_s: float) -> StandbyView:
+    from rollout.actor import router_standby
+    from rollout.cluster import ClusterUnreachable
+
+    try:
+        view = router_standby(handle, timeout_s)
+    except TimeoutError:
+        raise ClusterUnreachable(
+            f"the router of application {app_name!r} did not answer within {timeout_s:g} s"
+        ) from None
+    if view is None:
+        raise NotFound(f"--app {app_name}: the application has no fallback deployment")
+    return view
+
+
+@cli.command("standby")
+@click.option("--app", "app_name", default="ranker", show_default=True,
+              help="The Serve application.")  # fmt: skip
+@click.option(
+    "--policy",
+    type=click.Choice(["auto", "always", "never"]),
+    default=None,
+    help="Set the router's standby policy: auto (the accuracy guard decides), always or never "
+    "(the operator overrides it). A live change of the router's user_config.",
+)
+@_cluster_options
+def standby_command(
+    app_name: str,
+    policy: str | None,
+    address: str | None,
+    db_url: str | None,
+    dashboard: str | None,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """The router's hot standby: where traffic goes, each breaker, the accuracy guard."""
+    from rollout.actor import router_handle
+    from rollout.cluster import connect
+    from rollout.serve_control import ServeControl
+
+    cluster_dashboard = connect(address, timeout_s)  # the router is asked through Ray
+    url = dashboard or cluster_dashboard
+    if not url:
+        raise ConfigError("--dashboard: the cluster's dashboard URL is unknown; give it")
+    control = ServeControl(url)
+    try:
+        if control.app_status(app_name) is None:
+            raise NotFound(f"--app {app_name}: no such Serve application")
+        if policy is not None:
+            control.update_user_configs(
+                app_name,
+                {
+                    "router": lambda cfg: {
+                        **cfg,
+                        "standby": {**(cfg.get("standby") or {}), "policy": policy},
+                    }
+                },
+            )
+    finally:
+        control.close()
+    handle = router_handle(app_name, "router")
+    deadline = time.monotonic() + timeout_s
+    while (view := _standby_view(handle, app_name, timeout_s)).policy != (policy or view.policy):
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"--policy: the router still has policy {view.policy!r} after {timeout_s:g} s "
+                "(its config_error in /v1/status says why)"
+            )
+        time.sleep(0.2)
+    if as_json:
+        emit(view.model_dump(mode="json"))
+    else:
+        click.echo("\n".join(terminal_safe(line) for line in standby_lines(view)))
 
 
 @cli.command("history")

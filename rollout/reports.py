@@ -34,7 +34,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from app.contracts import Cohort, InstanceReport, clip_text
+from app.contracts import COHORTS, Cohort, InstanceReport, clip_text
 from app.errors import RegistryUnavailable, RolloutSystemError
 from app.registry import Registry, ReplicaReportRecord
 from rollout.machine import PoolView, ReplicaObservation
@@ -173,8 +173,11 @@ class ReportStore:
         at most every ``HEARTBEAT_PERSIST_S``). RegistryUnavailable stops at the first: the
         next would wait out the same timeout. Other refusals are reported and skipped."""
         for replica_id, report in self.latest().items():
-            if report.cohort is None:
-                continue  # before its first user_config: nothing the registry could file
+            if report.cohort not in COHORTS:
+                # None: before its first user_config, nothing the registry could file. The
+                # fallback has no registry target: its reports are kept here (status shows
+                # them), not filed.
+                continue
             fingerprint = (
                 report.phase,
                 report.desired_revision,

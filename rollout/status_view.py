@@ -25,6 +25,7 @@ from app.contracts import (
     ReplicaRow,
     RolloutEvent,
     RolloutSummary,
+    StandbyView,
     VerdictView,
     WeightsView,
     WindowView,
@@ -178,6 +179,36 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def standby_lines(standby: StandbyView) -> list[str]:
+    """The router's hot standby: where traffic goes, the guard, each breaker."""
+    where = (
+        f"SERVING FROM FALLBACK for {standby.in_fallback_s or 0:.0f}s"
+        if standby.serving_from_fallback
+        else "on the primary cohorts"
+    )
+    ready = "ready" if standby.ready else "NOT ready"
+    allowed = "allowed" if standby.allowed else "REFUSED"
+    lines = [
+        f"standby: {where}; fallback {ready}, {allowed} ({standby.allowed_reason}); "
+        f"policy {standby.policy}; {standby.answered} answered"
+        + (f", {standby.waiting} waiting" if standby.waiting else "")
+    ]
+    for b in standby.breakers:
+        back = (
+            ""
+            if b.state == "closed"
+            else "   fail-back: waits for it to serve"
+            if b.fail_back_in_s is None
+            else f"   fail-back in {b.fail_back_in_s:.0f}s"
+        )
+        why = f"   (opened {b.opened}x, last: {b.reason})" if b.opened else ""
+        lines.append(
+            f"  breaker {b.cohort}: {b.state} for {b.in_state_s:.0f}s, takes "
+            f"{b.share * 100:.0f}% of its traffic{back}{why}"
+        )
+    return lines
+
+
 def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
     """The human view of ``rollout status`` (and of a command's answer: a summary alone).
 
@@ -245,6 +276,8 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                 for r in status.replicas
             ]
             lines.extend(_table(headers, rows))
+        if status.standby is not None:
+            lines.extend(standby_lines(status.standby))
         if status.reports_refused:
             lines.append(
                 f"reports refused: {status.reports_refused} (invalid, or a heartbeat ahead of "

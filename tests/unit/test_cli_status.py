@@ -208,3 +208,47 @@ def test_controller_settings_are_shown_with_their_credentials_masked(capsys: Any
     out = capsys.readouterr().out
     assert "hunter2" not in out and "t0ken-secret" not in out and "abc123xyz" not in out
     assert "postgresql://ranker:***@db:5432/registry" in out
+
+
+def test_the_hot_standby_shows_where_traffic_goes_the_guard_and_each_breaker() -> None:
+    standby = {
+        "policy": "auto",
+        "serving_from_fallback": True,
+        "in_fallback_s": 42.0,
+        "ready": True,
+        "allowed": True,
+        "allowed_reason": "within 5%: fallback ndcg_at_10 0.401 vs stable 0.412",
+        "metric": "ndcg_at_10",
+        "fallback_metric": 0.401,
+        "stable_metric": 0.412,
+        "answered": 812,
+        "waiting": 0,
+        "breakers": [
+            {
+                "cohort": "stable",
+                "state": "half_open",
+                "in_state_s": 30.0,
+                "share": 0.05,
+                "fail_back_in_s": 120.0,
+                "opened": 2,
+                "reason": "failed again while failing back: ActorDiedError",
+            },
+            {"cohort": "canary", "state": "open", "in_state_s": 50.0, "share": 0.0,
+             "fail_back_in_s": None, "opened": 1, "reason": "3 probes in a row unanswered"},
+        ],
+    }  # fmt: skip
+    lines = render(view(standby=standby)).splitlines()
+    assert (
+        "standby: SERVING FROM FALLBACK for 42s; fallback ready, allowed (within 5%: fallback "
+        "ndcg_at_10 0.401 vs stable 0.412); policy auto; 812 answered" in lines
+    )
+    assert (
+        "  breaker stable: half_open for 30s, takes 5% of its traffic   fail-back in 120s   "
+        "(opened 2x, last: failed again while failing back: ActorDiedError)" in lines
+    )
+    assert any(
+        line.startswith("  breaker canary: open for 50s, takes 0% of its traffic   fail-back: "
+                        "waits for it to serve") for line in lines
+    )  # fmt: skip
+    # No fallback deployment: no standby lines at all.
+    assert "standby" not in render(view())

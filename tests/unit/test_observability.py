@@ -29,6 +29,11 @@ KINDS = {
     telemetry.REPLICA_LOAD_FAILURES: "counter",
     telemetry.ROLLOUT_EVIDENCE: "gauge",
     telemetry.ROLLOUT_EVIDENCE_BOUND: "gauge",
+    telemetry.ROUTER_BREAKER_STATE: "gauge",
+    telemetry.ROUTER_SERVING_FROM_FALLBACK: "gauge",
+    telemetry.ROUTER_FALLBACK_READY: "gauge",
+    telemetry.ROUTER_FALLBACK_ALLOWED: "gauge",
+    telemetry.ROUTER_FALLBACK_WAITING: "gauge",
 }
 RAY_BUILTINS = {"ray_serve_deployment_replica_healthy"}
 
@@ -55,6 +60,9 @@ def test_dashboard_queries_use_exported_metrics_only():
             used.add(name)
     # Everything the controller judges is on the dashboard, and how it judged it.
     assert telemetry.exported_name(telemetry.ROLLOUT_EVIDENCE, kind="gauge") in used
+    # And the hot standby: breakers, the fallback's state, the alert's series.
+    for name in telemetry.STANDBY_GAUGES:
+        assert telemetry.exported_name(name, kind="gauge") in used, name
     assert telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter") in used
     assert (
         telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram") + "_bucket" in used
