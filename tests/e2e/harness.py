@@ -81,6 +81,11 @@ BASELINE_ROUTER = {
     "failover": True,
 }
 
+# The hot standby's application (tests/e2e/test_standby.py): stable, canary and a fallback.
+STANDBY_APP = "standby-e2e"
+STANDBY_PREFIX = "/standby"
+FALLBACK_ARTIFACT = "ranker-lite-v1"
+
 # The application the real rollout controller drives.
 ROLLOUT_APP = "rollout-e2e"
 ROLLOUT_PREFIX = "/rollout"
@@ -516,3 +521,114 @@ def reset_rollout(env: RolloutEnv) -> None:
         env.wait_for_phase("aborted", "rolled_back", "failed", "succeeded", finished=True)
     if env.stable_target() != BASELINE:
         ray.get(env.controller.rollback_stable.remote(BASELINE, "e2e", "reset"), timeout=60)
+
+
+# ====================================================================== the standby application
+
+
+@dataclass
+class StandbyEnv:
+    cluster: Cluster
+    url: str
+    router: dict[str, Any]  # the router's user_config as deployed
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/v1/status", timeout=10).json()
+
+    def standby(self) -> dict[str, Any]:
+        return self.status()["standby"]
+
+    def set_standby(self, **changes: Any) -> None:
+        """Change the router's standby config (a live reconfigure)."""
+        self.cluster.rest.update_user_configs(
+            STANDBY_APP,
+            {"router": lambda cfg: {**cfg, "standby": {**cfg.get("standby", {}), **changes}}},
+        )
+
+    def set_target(self, deployment: str, target: dict[str, Any] | None) -> None:
+        self.cluster.rest.update_user_configs(
+            STANDBY_APP, {deployment: lambda cfg: {**cfg, "target": target}}
+        )
+
+    def running(self, deployment: str) -> list[dict[str, Any]]:
+        replicas = self.cluster.rest.replicas(STANDBY_APP, deployment)
+        return [r for r in replicas if r["state"] == "RUNNING"]
+
+    def kill_primaries(self) -> list[str]:
+        """``ray.kill`` every RUNNING stable and canary replica actor; Serve replaces them."""
+        killed = []
+        for deployment in ("stable", "canary"):
+            for replica in self.running(deployment):
+                ray.kill(ray.get_actor(replica["actor_name"], namespace="serve"), no_restart=True)
+                killed.append(replica["replica_id"])
+        return killed
+
+    def wait_breakers(self, state: str, timeout: float = 90) -> dict[str, Any]:
+        """Until both primary breakers are in ``state``; the standby view then."""
+
+        def there() -> dict[str, Any] | None:
+            view = self.standby()
+            states = {b["cohort"]: b["state"] for b in view["breakers"]}
+            return view if set(states.values()) == {state} else None
+
+        desc = f"both breakers {state}"
+        return wait_until(there, timeout, desc, every=0.2, retry_on=(Exception,))
+
+
+@contextmanager
+def standby_application(cluster: Cluster, router: dict[str, Any]) -> Iterator[StandbyEnv]:
+    """``standby-e2e`` RUNNING in the session cluster: stable on ranker-v41, canary on
+    ranker-v42 (weight 0), and a fallback deployment on the smaller ranker-lite-v1, with the
+    router config ``router``; removed at the end."""
+
+    def target(name: str) -> dict[str, Any]:
+        return cluster.demo[name].target(1).model_dump(mode="json")
+
+    app = {
+        "name": STANDBY_APP,
+        "route_prefix": STANDBY_PREFIX,
+        "import_path": "deployments.app:build_app",
+        "args": {
+            "stable": {"num_replicas": 1, "num_cpus": 0.1, "target": target(BASELINE)},
+            "canary": {"num_replicas": 1, "num_cpus": 0.1, "target": target(CANDIDATE)},
+            "fallback": {"num_replicas": 1, "num_cpus": 0.1, "target": target(FALLBACK_ARTIFACT)},
+            "router": router,
+            "router_num_cpus": 0.1,
+            "cache_dir": str(cluster.work / "standby-cache"),
+            "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 3},
+            "controller": {"name": REPORTS_ACTOR, "namespace": REPORTS_NAMESPACE},
+            "report_interval_s": 1.0,
+        },
+    }
+    control = cluster.rest
+    control.update(lambda config: config["applications"].append(app))
+    env = StandbyEnv(cluster, cluster.http_url + STANDBY_PREFIX, router)
+    try:
+        wait_until(
+            lambda: (
+                (control.details()["applications"].get(STANDBY_APP) or {}).get("status")
+                == "RUNNING"
+            ),
+            180,
+            f"{STANDBY_APP} RUNNING",
+            retry_on=(Exception,),
+        )
+        wait_until(
+            lambda: env.standby()["ready"] and env.status()["cohorts"][0]["serving"],
+            60,
+            "fallback ready and stable serving",
+            retry_on=(Exception,),
+        )
+        yield env
+    finally:
+        control.update(
+            lambda config: config.update(
+                applications=[a for a in config["applications"] if a["name"] != STANDBY_APP]
+            )
+        )
+        wait_until(
+            lambda: STANDBY_APP not in (control.details().get("applications") or {}),
+            120,
+            f"{STANDBY_APP} deleted",
+            retry_on=(Exception,),
+        )

@@ -32,6 +32,9 @@ def test_serve_yaml_is_sized_for_gpus_and_long_loads() -> None:
         assert cohort.graceful_shutdown_timeout_s >= 90
     assert args.stable.num_replicas > 1 and args.canary.num_replicas >= 1
     assert not args.router.allow_cohort_header
+    # The hot standby on cheaper capacity: CPU, with a target of its own.
+    assert args.fallback is not None and args.fallback.num_gpus == 0
+    assert args.fallback.target is not None and args.router.standby.policy == "auto"
 
 
 def test_local_config_builds_with_its_demo_artifacts(tmp_path: Path) -> None:
@@ -41,6 +44,7 @@ def test_local_config_builds_with_its_demo_artifacts(tmp_path: Path) -> None:
     app = build_app(AppArgs.model_validate(args))
     assert app is not None
     assert (tmp_path / "demo" / "ranker-v41" / "manifest.json").is_file()
+    assert (tmp_path / "demo" / "ranker-lite-v1" / "manifest.json").is_file()  # the fallback
 
 
 def test_cluster_yaml_has_a_cpu_head_and_gpu_workers() -> None:
