@@ -391,15 +391,21 @@ class StandbyConfig(Contract):
     """When the router answers from the ``fallback`` deployment (when the app has one).
 
     Each primary cohort (stable, canary) has a breaker (``app.standby``). It opens after
-    ``trip_after_failures`` requests in a row failed or timed out, or ``trip_after_probes``
-    status probes in a row found no replica answering: one slow request never trips it.
-    While no primary cohort can take a request, the fallback answers it.
+    ``trip_after_failures`` handle calls in a row failed or timed out (requests coalesced
+    into one call count once), or ``trip_after_probes`` status probes in a row found no
+    replica answering: one slow request never trips it. While no primary cohort can take a
+    request, the fallback answers it.
 
-    Failing back: once probes find an open cohort serving again, it takes
+    Failing back: once probes find an open cohort serving again, and it has been open at
+    least ``min_open_s`` (a cohort whose probes answer while its calls fail must not flap
+    every probe interval), it takes
     ``half_open_share`` of its traffic (half-open); after ``fail_back_after_s`` of that
     without a failure its share ramps linearly to all of it over ``ramp_s``. A failure in
     either phase opens the breaker again and the window starts over. Which users come back
-    first is decided by a hash of their key, so a user does not flip between models.
+    first is decided by a hash of their key, so a user does not flip between models. The
+    shares hold back traffic only while the fallback can answer and no primary cohort is
+    fully available: beside a healthy primary, or with a refused or cold fallback, a
+    recovering cohort takes all its traffic.
 
     ``policy``: ``auto`` uses the fallback only while its offline evaluation (the
     ``accuracy_metric`` of its manifest's ``offline_evaluation``) is at least stable's times
@@ -413,6 +419,7 @@ class StandbyConfig(Contract):
     policy: StandbyPolicy = "auto"
     trip_after_failures: Annotated[int, Field(ge=1, le=10_000)] = 5
     trip_after_probes: Annotated[int, Field(ge=1, le=10_000)] = 3
+    min_open_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 5.0
     fail_back_after_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 120.0
     half_open_share: Annotated[float, Field(gt=0, le=1)] = 0.05
     ramp_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 30.0
@@ -628,9 +635,13 @@ class StandbyView(Contract):
     """The hot standby as one router replica sees it (``/v1/status``, ``rollout status``)."""
 
     policy: Name
-    # Answers from the fallback now: no primary cohort takes its whole share.
+    # No primary cohort can take all traffic (its breaker closed and a model serving), after
+    # one did; since when, while it lasts.
+    primaries_down: bool
+    down_s: Seconds | None = None
+    # Primaries down and the fallback answering (ready and allowed); else their requests
+    # get 503 + Retry-After.
     serving_from_fallback: bool
-    in_fallback_s: Seconds | None = None  # since it began, while it lasts
     ready: bool  # a fallback replica serves a verified model
     allowed: bool  # the accuracy guard (or the operator's policy) lets the fallback answer
     allowed_reason: Text

@@ -19,6 +19,11 @@ from typing import Final
 
 from app.contracts import BASIS_POINTS, CANARY, COHORTS, STABLE, Cohort
 
+# Status probe rounds in a row that no replica of a cohort answered before the router takes it
+# for gone (not serving): one round that times out is as likely a loaded machine as a dead
+# cohort, and a cohort taken for gone is no failover destination.
+UNANSWERED_PROBES_GONE: Final = 2
+
 # The category of the error a replica raises when it has no model to serve (an idle pool or
 # a cleared target): app.replica.ReplicaNotReady and app.generations.NotReady.
 NOT_SERVING_CATEGORY: Final = "serving.not_ready"
@@ -115,6 +120,7 @@ class CohortHealth:
     serving: bool | None = None
     open_until: float = 0.0
     consecutive_failures: int = 0
+    unanswered_probes: int = 0
 
     def record_success(self) -> None:
         self.serving = True
@@ -132,8 +138,17 @@ class CohortHealth:
         self.record_failure(now)
         self.serving = False
 
-    def record_probe(self, serving: bool) -> None:
-        """A status probe's answer: a serving cohort closes the breaker at once."""
+    def record_probe(self, serving: bool, *, answered: bool = True) -> None:
+        """A status probe round: a serving cohort closes the breaker at once; one whose
+        replicas answer without a model is not serving; one nobody answered is taken for
+        gone only after ``UNANSWERED_PROBES_GONE`` such rounds in a row (a probe that timed
+        out on a loaded machine must not take stable away as a failover destination)."""
+        if not answered:
+            self.unanswered_probes += 1
+            if self.unanswered_probes >= UNANSWERED_PROBES_GONE:
+                self.serving = False
+            return
+        self.unanswered_probes = 0
         if serving:
             self.record_success()
         else:

@@ -7,7 +7,8 @@ A breaker per primary cohort (stable, canary)::
 
     closed --(trip_after_failures failed requests in a row,
               or trip_after_probes probes in a row that no replica answered)--> open
-    open --(a probe finds the cohort serving)--> half_open   (half_open_share of its traffic)
+    open --(a probe finds the cohort serving, min_open_s after it opened)--> half_open
+                                                            (half_open_share of its traffic)
     half_open --(fail_back_after_s without a failure)--> ramping  (share grows to 1 over ramp_s)
     ramping --(ramp_s without a failure)--> closed
     half_open / ramping --(any failure: a request, or a probe no replica answered)--> open
@@ -16,11 +17,21 @@ A cohort that answers its probes but has no model (an idle canary pool, a first 
 failing: routing already skips it (``app.routing``), and opening its breaker would make a
 rollout's canary wait out a fail-back window before taking its weight.
 
-Traffic follows the breakers: a request goes to its bucketed cohort if that cohort's breaker
-admits it, else to the other primary cohort if that one's does, and the fallback is the last
-resort, after the primaries, for a request they could not answer. Whether a partly open cohort
-(half-open, ramping) admits a request is decided by a hash of the request's key against its
-share, so the users who come back first stay back and nobody flips between models.
+Traffic follows the breakers: a request goes to its bucketed cohort unless that cohort's
+breaker is open, else to the other primary cohort, and the fallback is the last resort, after
+the primaries, for a request they could not answer. Hysteresis (a half-open or ramping cohort
+taking only its share) applies only while it matters: when the fallback can answer and no
+primary cohort is fully available. With a healthy primary beside it, a recovering cohort
+takes all its traffic at once (no traffic moves from one primary to the other for hysteresis:
+that would starve a canary's judged traffic and flood stable's partner); with a fallback that
+is refused or cold, holding users back would only turn them into 503s. Whether a partly open
+cohort admits a request is decided by a hash of the request's key against its share, so the
+users who come back first stay back and nobody flips between models.
+
+Evidence is counted per handle call, not per request: the requests that rode together in one
+coalesced call fail together, and one slow call must not count as many failures. A failure
+of a call sent before the breaker's last change of state is ignored: it says nothing about
+the cohort since then.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from app.contracts import (
     BASIS_POINTS,
     COHORTS,
     FALLBACK,
+    MAX_DURATION_S,
     BreakerView,
     Cohort,
     Role,
@@ -66,20 +78,28 @@ class PrimaryBreaker:
     unanswered_probes_in_row: int = 0
     opened: int = 0
     reason: str | None = None
+    # Grows with every change of state: a call records the epoch it was sent in.
+    epoch: int = 0
 
     # ------------------------------------------------------------------ evidence
 
     def record_success(self, now: float) -> None:
+        """A call the cohort answered (it answers: probes that timed out meanwhile were
+        slowness, not absence)."""
         self.advance(now)
         self.failures_in_row = 0
+        self.unanswered_probes_in_row = 0
 
-    def record_failure(self, now: float, why: str) -> None:
-        """A request the cohort failed or did not answer in time."""
+    def record_failure(self, now: float, why: str, *, sent_in: int | None = None) -> None:
+        """A call the cohort failed or did not answer in time; ``sent_in``: the epoch it was
+        sent in (a failure from before the last change of state is ignored)."""
         self.advance(now)
+        if sent_in is not None and sent_in != self.epoch:
+            return
         self.failures_in_row += 1
         if self.state is BreakerState.CLOSED:
             if self.failures_in_row >= self.config.trip_after_failures:
-                self._open(now, f"{self.failures_in_row} requests in a row failed (last: {why})")
+                self._open(now, f"{self.failures_in_row} calls in a row failed (last: {why})")
         elif self.state is not BreakerState.OPEN:
             self._open(now, f"failed again while failing back: {why}")
 
@@ -95,7 +115,11 @@ class PrimaryBreaker:
                 self._open(now, "a probe went unanswered while failing back")
             return
         self.unanswered_probes_in_row = 0
-        if serving and self.state is BreakerState.OPEN:
+        if (
+            serving
+            and self.state is BreakerState.OPEN
+            and now - self.since >= self.config.min_open_s
+        ):
             self._enter(BreakerState.HALF_OPEN, now)
 
     def reconfigure(self, config: StandbyConfig, now: float) -> None:
@@ -153,9 +177,9 @@ class PrimaryBreaker:
         return BreakerView(
             cohort=self.cohort,
             state=self.state.value,
-            in_state_s=round(max(0.0, now - self.since), 3),
+            in_state_s=_seconds(now - self.since),
             share=round(self.share(now), 4),
-            fail_back_in_s=_rounded(self.fail_back_in(now)),
+            fail_back_in_s=_seconds(self.fail_back_in(now)),
             opened=self.opened,
             reason=clip_text(self.reason),
         )
@@ -170,12 +194,14 @@ class PrimaryBreaker:
     def _enter(self, state: BreakerState, at: float) -> None:
         self.state = state
         self.since = at
+        self.epoch += 1
         self.failures_in_row = 0
         self.unanswered_probes_in_row = 0
 
 
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+def _seconds(value: float | None) -> float | None:
+    """A duration for a view: rounded, within the contracts' bounds."""
+    return None if value is None else round(min(max(0.0, value), MAX_DURATION_S), 3)
 
 
 def admission_point(key: str) -> int:
@@ -193,6 +219,9 @@ class AccuracyVerdict:
     reason: str
     fallback_metric: float | None
     stable_metric: float | None
+    # Refused only because the fallback has not reported its model yet (cold since the router
+    # started): worth waiting for, the guard decides once it serves.
+    fallback_unknown: bool = False
 
 
 def accuracy_verdict(
@@ -210,6 +239,10 @@ def accuracy_verdict(
         return AccuracyVerdict(True, "policy always: the operator allows the fallback", fb, st)
     if config.policy == "never":
         return AccuracyVerdict(False, "policy never: the operator refuses the fallback", fb, st)
+    if fallback is None:
+        return AccuracyVerdict(
+            False, "the fallback has not served a model yet", fb, st, fallback_unknown=True
+        )
     if fb is None:
         return AccuracyVerdict(
             False, f"the fallback's model reports no offline {metric}: refused", fb, st
@@ -242,6 +275,13 @@ class StandbyRoute:
     queue_full: bool = False  # (the router's) too many requests wait for it already
 
 
+def fully_available(
+    cohort: str, breakers: Mapping[str, PrimaryBreaker], serving: Mapping[str, bool | None]
+) -> bool:
+    """The cohort's breaker is closed and a model serves there (as the probes last saw)."""
+    return breakers[cohort].state is BreakerState.CLOSED and serving.get(cohort) is True
+
+
 def route_with_standby(
     primaries: Sequence[Cohort],
     breakers: Mapping[str, PrimaryBreaker],
@@ -249,27 +289,40 @@ def route_with_standby(
     now: float,
     key: str | None,
     random_bp: Callable[[], int],
+    serving: Mapping[str, bool | None],
     fallback_ready: bool,
     verdict: AccuracyVerdict,
 ) -> StandbyRoute:
     """``primaries``: the routing decision's cohorts in order (bucketed or redirected first,
-    then its failover). Each stays if its breaker admits the request; the fallback comes last
-    when the guard allows it, whether or not a primary is left (it answers a request the
-    primaries failed)."""
-    kept = tuple(c for c in primaries if breakers[c].admits(now, key, random_bp))
-    if not verdict.allowed:
-        return StandbyRoute(kept, refused=verdict.reason)
-    if fallback_ready:
+    then its failover); ``serving``: what the probes last saw of each primary cohort.
+
+    An open cohort is left out. A half-open or ramping one takes only its share while the
+    fallback can answer and no primary cohort is fully available; otherwise it takes all its
+    traffic. The fallback comes last when it is ready and the guard allows it, whether or not
+    a primary is left (it answers a request the primaries failed)."""
+    for cohort in primaries:
+        breakers[cohort].advance(now)
+    usable = fallback_ready and verdict.allowed
+    if usable and not any(fully_available(c, breakers, serving) for c in COHORTS):
+        kept = tuple(c for c in primaries if breakers[c].admits(now, key, random_bp))
+    else:
+        kept = tuple(c for c in primaries if breakers[c].state is not BreakerState.OPEN)
+    if usable:
         return StandbyRoute((*kept, FALLBACK))
+    if not verdict.allowed and not (verdict.fallback_unknown and not fallback_ready):
+        return StandbyRoute(kept, refused=verdict.reason)
     return StandbyRoute(kept, wait_for_fallback=not kept)
 
 
-def serving_from_fallback(
-    breakers: Mapping[str, PrimaryBreaker], serving: Mapping[str, bool | None], now: float
+def primaries_down(
+    breakers: Mapping[str, PrimaryBreaker],
+    serving: Mapping[str, bool | None],
+    *,
+    served_before: bool,
 ) -> bool:
-    """No primary cohort can take all traffic (its breaker closed, and a model serving
-    there): some of it is the fallback's to answer. ``serving``: what the probes last saw."""
-    return not any(breakers[c].share(now) >= 1.0 and serving.get(c) is True for c in COHORTS)
+    """No primary cohort can take all traffic, after one did (a deploy whose first load is
+    still running is not an outage)."""
+    return served_before and not any(fully_available(c, breakers, serving) for c in COHORTS)
 
 
 __all__ = [
@@ -279,6 +332,7 @@ __all__ = [
     "StandbyRoute",
     "accuracy_verdict",
     "admission_point",
+    "fully_available",
+    "primaries_down",
     "route_with_standby",
-    "serving_from_fallback",
 ]

@@ -39,7 +39,9 @@ ROUTER_BATCH_SIZE: Final = "ranker_router_batch_size"  # histogram {cohort}: coa
 ROUTER_BREAKER_STATE: Final = "ranker_router_breaker_state"  # gauge {cohort, state}: 1 for
 #                                                                the breaker's state, else 0
 ROUTER_SERVING_FROM_FALLBACK: Final = "ranker_router_serving_from_fallback"  # gauge: 1 while no
-#                                       primary cohort takes all traffic (alert on it)
+#                                       primary cohort takes all traffic and the fallback answers
+ROUTER_PRIMARIES_DOWN: Final = "ranker_router_primaries_down"  # gauge: 1 while no primary
+#                                       cohort takes all traffic, fallback or not (alert on it)
 ROUTER_FALLBACK_READY: Final = "ranker_router_fallback_ready"  # gauge: 1 while it serves
 ROUTER_FALLBACK_ALLOWED: Final = "ranker_router_fallback_allowed"  # gauge: the accuracy guard
 ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requests waiting
@@ -47,6 +49,7 @@ ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requ
 STANDBY_GAUGES: Final = (
     ROUTER_BREAKER_STATE,
     ROUTER_SERVING_FROM_FALLBACK,
+    ROUTER_PRIMARIES_DOWN,
     ROUTER_FALLBACK_READY,
     ROUTER_FALLBACK_ALLOWED,
     ROUTER_FALLBACK_WAITING,

@@ -46,6 +46,7 @@ from app.contracts import (
     CANARY,
     COHORTS,
     FALLBACK,
+    MAX_DURATION_S,
     MAX_FIELD_PATH,
     STABLE,
     AppArgs,
@@ -73,8 +74,8 @@ from app.standby import (
     PrimaryBreaker,
     StandbyRoute,
     accuracy_verdict,
+    primaries_down,
     route_with_standby,
-    serving_from_fallback,
 )
 
 log = logging.getLogger("ray.serve")
@@ -142,7 +143,11 @@ class StandbyMetrics:
         )
         self.serving_from_fallback = metrics.Gauge(
             t.ROUTER_SERVING_FROM_FALLBACK,
-            description="1 while no primary cohort takes all traffic (the fallback answers).",
+            description="1 while no primary cohort takes all traffic and the fallback answers.",
+        )
+        self.primaries_down = metrics.Gauge(
+            t.ROUTER_PRIMARIES_DOWN,
+            description="1 while no primary cohort takes all traffic, fallback or not.",
         )
         self.ready = metrics.Gauge(
             t.ROUTER_FALLBACK_READY, description="1 while a fallback replica serves a model."
@@ -180,6 +185,10 @@ class Router:
         self._views: dict[str, dict[str, tuple[float, InstanceReport]]] = {
             c: {} for c in self._roles
         }
+        # Hot standby (an app with a fallback deployment only).
+        self._standby = fallback is not None
+        started = time.monotonic()
+        self._breakers = {c: PrimaryBreaker(c, since=started) for c in COHORTS}
         self._coalescers = {
             c: CohortCoalescer(
                 self._sender(c),
@@ -188,16 +197,14 @@ class Router:
             )
             for c in self._roles
         }
-        # Hot standby (an app with a fallback deployment only).
-        self._standby = fallback is not None
-        self._breakers = {c: PrimaryBreaker(c) for c in COHORTS}
+        self._served_before = False  # a primary cohort served once (an outage needs that)
         # The offline evaluation each role's serving model reported last (kept while the
         # cohort is down: the guard needs stable's while stable is gone).
         self._evaluations: dict[str, dict[str, float]] = {}
         self._verdict: AccuracyVerdict = accuracy_verdict(self._config.standby, None, None)
         self._fallback_answered = 0
         self._fallback_waiting = 0
-        self._in_fallback_since: float | None = None
+        self._down_since: float | None = None
         self._probe_round = asyncio.Event()  # set (and replaced) after every probe round
         self._standby_metrics = StandbyMetrics() if self._standby else None
         self._rng = random.Random()
@@ -256,14 +263,25 @@ class Router:
     # ------------------------------------------------------------------ cohort calls
 
     def _sender(self, cohort: str) -> Callable[[list[WireRequest]], Awaitable[WireAnswer]]:
+        breaker = self._breakers.get(cohort) if self._standby else None
+
         async def send(batch: list[WireRequest]) -> WireAnswer:
             self._metrics.batch.observe(len(batch), tags={t.COHORT: cohort})
+            sent_in = breaker.epoch if breaker is not None else 0
             response = self._rank_handles[cohort].remote(batch)
             try:
-                return await asyncio.wait_for(response, self._config.request_timeout_s)
-            except TimeoutError:
-                response.cancel()
+                answer = await asyncio.wait_for(response, self._config.request_timeout_s)
+            except BaseException as exc:
+                if isinstance(exc, TimeoutError):
+                    response.cancel()
+                # The standby breaker counts calls, not the requests riding in them. A
+                # cohort without a model is not failing (an idle pool).
+                if breaker is not None and isinstance(exc, Exception) and not says_not_serving(exc):
+                    breaker.record_failure(time.monotonic(), type(exc).__name__, sent_in=sent_in)
                 raise
+            if breaker is not None:
+                breaker.record_success(time.monotonic())
+            return answer
 
         return send
 
@@ -340,7 +358,16 @@ class Router:
             serving = serving or report.serving
             if report.serving:
                 self._evaluations[cohort] = dict(report.evaluation)
-        self._health[cohort].record_probe(serving)
+        if cohort == FALLBACK and answered and not serving:
+            # Its model is gone (target cleared): the guard must not judge by the old one.
+            # A primary's last evaluation is kept: the guard needs stable's while it is down.
+            self._evaluations.pop(FALLBACK, None)
+        if serving and cohort in self._breakers:
+            self._served_before = True
+        self._health[cohort].record_probe(serving, answered=answered)
+        if cohort == FALLBACK and serving and self._fallback_waiting:
+            self._update_verdict()
+            self._wake_waiters()
         if cohort in self._breakers:
             self._breakers[cohort].record_probe(
                 time.monotonic(), answered=answered, serving=serving
@@ -475,9 +502,7 @@ class Router:
             return self._reject(503, "unavailable", "no cohort could answer")
         meta, ranking = answer
         self._health[cohort].record_success()
-        if cohort in self._breakers:
-            self._breakers[cohort].record_success(time.monotonic())
-        elif cohort == FALLBACK:
+        if cohort == FALLBACK:
             self._fallback_answered += 1
         failover = cohort != decision.bucketed
         if failover:
@@ -506,13 +531,10 @@ class Router:
         if says_not_serving(exc):
             # No model there (an idle pool, a cleared target): not a failover destination
             # until a probe sees it serving again, whatever the last probe said. Not a
-            # failure for the standby breaker: nothing is broken there.
+            # failure for the standby breaker either (see _sender): nothing is broken there.
             self._health[cohort].record_not_serving(time.monotonic())
         else:
             self._health[cohort].record_failure(time.monotonic())
-            if cohort in self._breakers:
-                why = type(exc).__name__
-                self._breakers[cohort].record_failure(time.monotonic(), why)
 
     # ------------------------------------------------------------------ hot standby
 
@@ -526,6 +548,7 @@ class Router:
             now=time.monotonic(),
             key=key,
             random_bp=lambda: self._rng.randrange(BASIS_POINTS),
+            serving={c: self._health[c].serving for c in COHORTS},
             fallback_ready=self._fallback_ready(),
             verdict=self._verdict,
         )
@@ -585,33 +608,44 @@ class Router:
     def _after_probe_round(self) -> None:
         if self._standby:
             self._update_verdict()
-            now = time.monotonic()
-            serving = {c: self._health[c].serving for c in COHORTS}
-            if serving_from_fallback(self._breakers, serving, now):
-                if self._in_fallback_since is None:
-                    self._in_fallback_since = now
-                    log.warning("serving from the fallback: no primary cohort takes all traffic")
-            elif self._in_fallback_since is not None:
-                log.warning(
-                    "back on the primary cohorts after %.1f s on the fallback",
-                    now - self._in_fallback_since,
-                )
-                self._in_fallback_since = None
-        # Waiters re-check the route after every round.
+            self._track_down(time.monotonic())
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Requests waiting for a cold fallback re-check their route: after every probe
+        round, and as soon as the fallback's own probe finds it serving (a round waits for
+        its slowest probe, and a cohort that is gone makes every round slow)."""
         event, self._probe_round = self._probe_round, asyncio.Event()
         event.set()
+
+    def _track_down(self, now: float) -> None:
+        """Whether the primaries are down, and since when (logged as it changes). Computed
+        whenever it is read, so a view never lags the breakers."""
+        serving = {c: self._health[c].serving for c in COHORTS}
+        if primaries_down(self._breakers, serving, served_before=self._served_before):
+            if self._down_since is None:
+                self._down_since = now
+                log.warning(
+                    "no primary cohort takes all traffic; the fallback: %s", self._verdict.reason
+                )
+        elif self._down_since is not None:
+            log.warning("back on the primary cohorts after %.1f s", now - self._down_since)
+            self._down_since = None
 
     def standby_view(self) -> StandbyView | None:
         if not self._standby:
             return None
         now = time.monotonic()
+        self._track_down(now)
         verdict = self._verdict
-        since = self._in_fallback_since
+        since = self._down_since
+        ready = self._fallback_ready()
         return StandbyView(
             policy=self._config.standby.policy,
-            serving_from_fallback=since is not None,
-            in_fallback_s=None if since is None else round(now - since, 3),
-            ready=self._fallback_ready(),
+            primaries_down=since is not None,
+            down_s=None if since is None else round(min(now - since, MAX_DURATION_S), 3),
+            serving_from_fallback=since is not None and ready and verdict.allowed,
+            ready=ready,
             allowed=verdict.allowed,
             allowed_reason=clip_text(verdict.reason),
             metric=self._config.standby.accuracy_metric,
@@ -627,6 +661,7 @@ class Router:
         if gauges is None:
             return
         now = time.monotonic()
+        self._track_down(now)
         for cohort, breaker in self._breakers.items():
             breaker.advance(now)
             for state in BreakerState:
@@ -634,7 +669,10 @@ class Router:
                     1.0 if breaker.state is state else 0.0,
                     tags={t.COHORT: cohort, t.STATE: state.value},
                 )
-        gauges.serving_from_fallback.set(1.0 if self._in_fallback_since is not None else 0.0)
+        down = self._down_since is not None
+        answering = down and self._fallback_ready() and self._verdict.allowed
+        gauges.serving_from_fallback.set(1.0 if answering else 0.0)
+        gauges.primaries_down.set(1.0 if down else 0.0)
         gauges.ready.set(1.0 if self._fallback_ready() else 0.0)
         gauges.allowed.set(1.0 if self._verdict.allowed else 0.0)
         gauges.waiting.set(self._fallback_waiting)

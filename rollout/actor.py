@@ -59,6 +59,14 @@ def absolute_registry_url(url: str) -> str:
     return url
 
 
+def with_standby_policy(router_config: Mapping[str, Any], policy: str) -> dict[str, Any]:
+    """A router ``user_config`` with its standby policy set, everything else as it was."""
+    return {
+        **router_config,
+        "standby": {**(router_config.get("standby") or {}), "policy": policy},
+    }
+
+
 def router_handle(app_name: str, router_deployment: str) -> Any:
     """A Serve handle of the app's router, from a process attached to the cluster. Keep it:
     each new handle sets up its own routing state in Serve."""
@@ -169,6 +177,22 @@ class RolloutController:
     def tick(self) -> dict[str, Any] | None:
         summary = self.engine.tick()
         return None if summary is None else wire(summary)
+
+    def set_standby_policy(self, policy: str, router_deployment: str) -> bool:
+        """Set the router's standby policy in the Serve config, between two of the engine's
+        writes (the read-modify-write must not undo a weight or target it just wrote). True
+        when the config changed."""
+        from rollout.serve_control import ServeControl
+
+        control = ServeControl(self.settings.dashboard_url)
+        try:
+            with self.engine.exclusive():
+                return control.update_user_configs(
+                    self.settings.app_name,
+                    {router_deployment: lambda cfg: with_standby_policy(cfg, policy)},
+                )
+        finally:
+            control.close()
 
     def reconcile(self) -> list[str]:
         self.repaired = self.engine.reconcile_serve()

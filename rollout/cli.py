@@ -566,7 +566,7 @@ def _standby_view(handle: Any, app_name: str, timeout_s: float) -> StandbyView:
     from rollout.cluster import ClusterUnreachable
 
     try:
-        view = router_standby(handle, timeout_s)
+        view = router_standby(handle, max(0.1, timeout_s))
     except TimeoutError:
         raise ClusterUnreachable(
             f"the router of application {app_name!r} did not answer within {timeout_s:g} s"
@@ -576,9 +576,35 @@ def _standby_view(handle: Any, app_name: str, timeout_s: float) -> StandbyView:
     return view
 
 
+def _set_standby_policy(
+    dashboard: str, app_name: str, router: str, policy: str, timeout_s: float
+) -> None:
+    """Through the app's controller when one runs (its write goes between the engine's, so
+    it cannot undo a weight the engine just set); else straight to Serve's config."""
+    from rollout.actor import with_standby_policy
+    from rollout.cluster import find_controller
+    from rollout.serve_control import ServeControl
+
+    controller = find_controller(timeout_s=timeout_s)
+    if controller is not None:
+        settings = ControllerPing.model_validate(_call(controller.ping, timeout_s=timeout_s))
+        if settings.app_name == app_name:
+            _call(controller.set_standby_policy, policy, router, timeout_s=timeout_s)
+            return
+    control = ServeControl(dashboard)
+    try:
+        control.update_user_configs(
+            app_name, {router: lambda cfg: with_standby_policy(cfg, policy)}
+        )
+    finally:
+        control.close()
+
+
 @cli.command("standby")
 @click.option("--app", "app_name", default="ranker", show_default=True,
               help="The Serve application.")  # fmt: skip
+@click.option("--router", default="router", show_default=True,
+              help="The application's router deployment.")  # fmt: skip
 @click.option(
     "--policy",
     type=click.Choice(["auto", "always", "never"]),
@@ -589,6 +615,7 @@ def _standby_view(handle: Any, app_name: str, timeout_s: float) -> StandbyView:
 @_cluster_options
 def standby_command(
     app_name: str,
+    router: str,
     policy: str | None,
     address: str | None,
     db_url: str | None,
@@ -598,9 +625,10 @@ def standby_command(
 ) -> None:
     """The router's hot standby: where traffic goes, each breaker, the accuracy guard."""
     from rollout.actor import router_handle
-    from rollout.cluster import connect
+    from rollout.cluster import ClusterUnreachable, connect
     from rollout.serve_control import ServeControl
 
+    deadline = time.monotonic() + timeout_s
     cluster_dashboard = connect(address, timeout_s)  # the router is asked through Ray
     url = dashboard or cluster_dashboard
     if not url:
@@ -609,27 +637,22 @@ def standby_command(
     try:
         if control.app_status(app_name) is None:
             raise NotFound(f"--app {app_name}: no such Serve application")
-        if policy is not None:
-            control.update_user_configs(
-                app_name,
-                {
-                    "router": lambda cfg: {
-                        **cfg,
-                        "standby": {**(cfg.get("standby") or {}), "policy": policy},
-                    }
-                },
-            )
     finally:
         control.close()
-    handle = router_handle(app_name, "router")
-    deadline = time.monotonic() + timeout_s
-    while (view := _standby_view(handle, app_name, timeout_s)).policy != (policy or view.policy):
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"--policy: the router still has policy {view.policy!r} after {timeout_s:g} s "
-                "(its config_error in /v1/status says why)"
-            )
-        time.sleep(0.2)
+    handle = router_handle(app_name, router)
+    # Before any write: an app without a fallback is refused, its config left alone.
+    view = _standby_view(handle, app_name, deadline - time.monotonic())
+    if policy is not None and view.policy != policy:
+        _set_standby_policy(url, app_name, router, policy, timeout_s)
+        while (view := _standby_view(handle, app_name, deadline - time.monotonic())).policy != (
+            policy
+        ):
+            if time.monotonic() > deadline:
+                raise ClusterUnreachable(
+                    f"the router still has policy {view.policy!r} after {timeout_s:g} s (its "
+                    "config_error in /v1/status says why if it refused the change)"
+                )
+            time.sleep(0.2)
     if as_json:
         emit(view.model_dump(mode="json"))
     else:

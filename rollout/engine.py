@@ -32,7 +32,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from app.contracts import (
@@ -138,6 +139,14 @@ class RolloutEngine:
             self._live = live = LiveRollout.from_record(record)
             log.info("resumed rollout %s at %s", live.state.rollout_id, live.state.phase.value)
             return live.state.rollout_id
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No tick, command or drift repair runs inside: for a read-modify-write of the Serve
+        config from outside the engine (the router's standby policy) that must not undo one
+        of the engine's."""
+        with self._lock:
+            yield
 
     def reconcile_serve(self) -> list[str]:
         """Drift repair: make Serve's user_configs say what the registry says, in one write.

@@ -181,9 +181,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def standby_lines(standby: StandbyView) -> list[str]:
     """The router's hot standby: where traffic goes, the guard, each breaker."""
+    down = f"for {standby.down_s or 0:.0f}s"
     where = (
-        f"SERVING FROM FALLBACK for {standby.in_fallback_s or 0:.0f}s"
+        f"SERVING FROM FALLBACK {down}"
         if standby.serving_from_fallback
+        else f"PRIMARIES DOWN {down}, the fallback cannot answer: 503 + Retry-After"
+        if standby.primaries_down
         else "on the primary cohorts"
     )
     ready = "ready" if standby.ready else "NOT ready"
@@ -203,8 +206,8 @@ def standby_lines(standby: StandbyView) -> list[str]:
         )
         why = f"   (opened {b.opened}x, last: {b.reason})" if b.opened else ""
         lines.append(
-            f"  breaker {b.cohort}: {b.state} for {b.in_state_s:.0f}s, takes "
-            f"{b.share * 100:.0f}% of its traffic{back}{why}"
+            f"  breaker {b.cohort}: {b.state} for {b.in_state_s:.0f}s, share "
+            f"{b.share * 100:.0f}%{back}{why}"
         )
     return lines
 

@@ -550,6 +550,14 @@ class StandbyEnv:
             STANDBY_APP, {deployment: lambda cfg: {**cfg, "target": target}}
         )
 
+    def fail_primaries(self, faults: dict[str, float] | None) -> None:
+        """Inject (None: remove) faults in every stable and canary rank call, in one PUT: an
+        outage that lasts until it is removed (a killed replica comes back by itself)."""
+        self.cluster.rest.update_user_configs(
+            STANDBY_APP,
+            {d: (lambda cfg: {**cfg, "faults": faults}) for d in ("stable", "canary")},
+        )
+
     def running(self, deployment: str) -> list[dict[str, Any]]:
         replicas = self.cluster.rest.replicas(STANDBY_APP, deployment)
         return [r for r in replicas if r["state"] == "RUNNING"]

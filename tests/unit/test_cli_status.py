@@ -213,8 +213,9 @@ def test_controller_settings_are_shown_with_their_credentials_masked(capsys: Any
 def test_the_hot_standby_shows_where_traffic_goes_the_guard_and_each_breaker() -> None:
     standby = {
         "policy": "auto",
+        "primaries_down": True,
+        "down_s": 42.0,
         "serving_from_fallback": True,
-        "in_fallback_s": 42.0,
         "ready": True,
         "allowed": True,
         "allowed_reason": "within 5%: fallback ndcg_at_10 0.401 vs stable 0.412",
@@ -243,12 +244,19 @@ def test_the_hot_standby_shows_where_traffic_goes_the_guard_and_each_breaker() -
         "ndcg_at_10 0.401 vs stable 0.412); policy auto; 812 answered" in lines
     )
     assert (
-        "  breaker stable: half_open for 30s, takes 5% of its traffic   fail-back in 120s   "
+        "  breaker stable: half_open for 30s, share 5%   fail-back in 120s   "
         "(opened 2x, last: failed again while failing back: ActorDiedError)" in lines
     )
     assert any(
-        line.startswith("  breaker canary: open for 50s, takes 0% of its traffic   fail-back: "
-                        "waits for it to serve") for line in lines
+        line.startswith("  breaker canary: open for 50s, share 0%   fail-back: waits for it to "
+                        "serve") for line in lines
     )  # fmt: skip
+    # Down, and the fallback may not answer: said as such.
+    refused = {**standby, "serving_from_fallback": False, "allowed": False,
+               "allowed_reason": "policy never: the operator refuses the fallback"}  # fmt: skip
+    assert render(view(standby=refused)).splitlines()[-1].startswith("  breaker canary") and (
+        "standby: PRIMARIES DOWN for 42s, the fallback cannot answer: 503 + Retry-After; "
+        "fallback ready, REFUSED (policy never" in render(view(standby=refused))
+    )
     # No fallback deployment: no standby lines at all.
     assert "standby" not in render(view())

@@ -31,6 +31,7 @@ KINDS = {
     telemetry.ROLLOUT_EVIDENCE_BOUND: "gauge",
     telemetry.ROUTER_BREAKER_STATE: "gauge",
     telemetry.ROUTER_SERVING_FROM_FALLBACK: "gauge",
+    telemetry.ROUTER_PRIMARIES_DOWN: "gauge",
     telemetry.ROUTER_FALLBACK_READY: "gauge",
     telemetry.ROUTER_FALLBACK_ALLOWED: "gauge",
     telemetry.ROUTER_FALLBACK_WAITING: "gauge",

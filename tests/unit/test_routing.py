@@ -272,3 +272,22 @@ def test_a_cohort_that_says_it_serves_nothing_is_no_failover_target() -> None:
     assert not can_fail_over_to("canary", health, later)
     health["canary"].record_probe(True)
     assert can_fail_over_to("canary", health, later)
+
+
+def test_one_unanswered_probe_round_is_not_taken_for_a_gone_cohort() -> None:
+    """Under load a probe round can time out while the cohort serves: stable must stay a
+    failover destination. Two rounds in a row nobody answered: gone."""
+    state = CohortHealth()
+    state.record_probe(True)
+    state.record_probe(False, answered=False)
+    assert state.serving is True and can_fail_over_to("stable", {"stable": state}, now=0.0)
+    state.record_probe(True)  # it answers again: the count starts over
+    state.record_probe(False, answered=False)
+    assert state.serving is True
+    state.record_probe(False, answered=False)
+    assert state.serving is False
+    # Replicas that answer without a model are not serving at once (an idle pool).
+    idle = CohortHealth()
+    idle.record_probe(True)
+    idle.record_probe(False)
+    assert idle.serving is False

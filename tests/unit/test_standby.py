@@ -16,13 +16,14 @@ from app.standby import (
     PrimaryBreaker,
     accuracy_verdict,
     admission_point,
+    primaries_down,
     route_with_standby,
-    serving_from_fallback,
 )
 
 CONFIG = StandbyConfig(
     trip_after_failures=5,
     trip_after_probes=3,
+    min_open_s=0,
     fail_back_after_s=120,
     half_open_share=0.05,
     ramp_s=30,
@@ -59,7 +60,7 @@ def test_failures_below_the_minimum_never_trip_and_a_success_starts_the_count_ag
     assert b.state is BreakerState.CLOSED
     b.record_failure(9, "ActorDiedError")  # t=9: the fifth in a row
     assert b.state is BreakerState.OPEN and b.share(9) == 0.0
-    assert b.opened == 1 and "5 requests in a row failed (last: ActorDiedError)" in b.reason
+    assert b.opened == 1 and "5 calls in a row failed (last: ActorDiedError)" in b.reason
 
 
 def test_probes_nobody_answers_trip_it_but_a_cohort_without_a_model_does_not() -> None:
@@ -125,6 +126,19 @@ def test_a_failure_while_ramping_or_an_unanswered_probe_opens_it_again() -> None
     assert c.state is BreakerState.OPEN
 
 
+def test_an_open_cohort_stays_open_for_min_open_s_however_its_probes_answer() -> None:
+    """A cohort whose probes answer while its calls fail would otherwise go half-open at
+    every probe, fail again and flap."""
+    b = breaker(CONFIG.model_copy(update={"min_open_s": 5}))
+    for _ in range(5):
+        b.record_failure(10, "InjectedFault")  # t=10: open
+    for t in (10.5, 12, 14.9):  # probes find it serving: too soon
+        b.record_probe(t, answered=True, serving=True)
+        assert b.state is BreakerState.OPEN
+    b.record_probe(15, answered=True, serving=True)  # t=15: open long enough
+    assert b.state is BreakerState.HALF_OPEN
+
+
 def test_zero_window_and_zero_ramp_fail_back_at_once() -> None:
     b = breaker(CONFIG.model_copy(update={"fail_back_after_s": 0, "ramp_s": 0}))
     for _ in range(5):
@@ -140,6 +154,35 @@ def test_the_view_says_state_share_and_time_to_fail_back() -> None:
     assert (view.cohort, view.state, view.in_state_s) == ("stable", "half_open", 30)
     assert view.share == 0.05 and view.fail_back_in_s == pytest.approx(90 + 30)
     assert view.opened == 1 and "in a row failed" in (view.reason or "")
+
+
+def test_the_view_stays_within_the_contract_on_a_host_up_for_weeks() -> None:
+    """The router's clock is time since boot: a breaker that never opened has been closed
+    that long. The view caps durations at the contract's bound rather than failing."""
+    uptime = 40 * 24 * 3600.0
+    b = PrimaryBreaker("stable", CONFIG, since=0.0)
+    assert b.view(uptime).in_state_s == 7 * 24 * 3600.0
+    fresh = PrimaryBreaker("stable", CONFIG, since=uptime)
+    assert fresh.view(uptime + 5).in_state_s == 5
+
+
+def test_a_failure_of_a_call_sent_before_the_last_change_of_state_is_ignored() -> None:
+    b = opened_at(0)
+    in_flight = b.epoch  # a call sent while it was open (a last resort, say) ...
+    b.record_probe(10, answered=True, serving=True)  # t=10: half-open
+    b.record_failure(11, "TimeoutError", sent_in=in_flight)  # ... times out after it
+    assert b.state is BreakerState.HALF_OPEN  # not evidence about the cohort since t=10
+    b.record_failure(12, "TimeoutError", sent_in=b.epoch)  # one sent in half-open: counts
+    assert b.state is BreakerState.OPEN
+
+
+def test_an_answered_call_clears_the_count_of_unanswered_probes() -> None:
+    b = breaker()
+    b.record_probe(0, answered=False, serving=False)  # probes time out under load ...
+    b.record_probe(1, answered=False, serving=False)
+    b.record_success(1.5)  # ... while calls are answered: slow, not gone
+    b.record_probe(2, answered=False, serving=False)
+    assert b.state is BreakerState.CLOSED
 
 
 # --------------------------------------------------------------------------- admission
@@ -178,7 +221,7 @@ def test_the_guard_allows_a_fallback_within_the_margin_only() -> None:
 @pytest.mark.parametrize(
     ("fallback", "stable", "words"),
     [
-        (None, {"ndcg_at_10": 0.4}, "the fallback's model reports no offline ndcg_at_10"),
+        (None, {"ndcg_at_10": 0.4}, "the fallback has not served a model yet"),
         ({"auc": 0.7}, {"ndcg_at_10": 0.4}, "the fallback's model reports no offline"),
         ({"ndcg_at_10": 0.4}, None, "stable's model has reported no offline ndcg_at_10"),
     ],
@@ -205,52 +248,89 @@ def breakers(stable: PrimaryBreaker, canary: PrimaryBreaker | None = None) -> di
 
 ALLOWED = accuracy_verdict(StandbyConfig(policy="always"), None, None)
 REFUSED = accuracy_verdict(StandbyConfig(), {"ndcg_at_10": 0.1}, {"ndcg_at_10": 0.4})
+NOT_REPORTED = accuracy_verdict(StandbyConfig(), None, {"ndcg_at_10": 0.4})
+UP = {"stable": True, "canary": True}
+DOWN = {"stable": False, "canary": False}
+
+
+def route(primaries, states, *, now=1.0, key="u:a", serving=DOWN, ready=True, verdict=ALLOWED):
+    return route_with_standby(
+        primaries, states, now=now, key=key, random_bp=never_random, serving=serving,
+        fallback_ready=ready, verdict=verdict,
+    )  # fmt: skip
+
+
+def half_open_at(t: float) -> PrimaryBreaker:
+    b = opened_at(0)
+    b.record_probe(t, answered=True, serving=True)
+    return b
 
 
 def test_the_fallback_comes_last_and_alone_when_no_primary_admits() -> None:
     healthy = breakers(breaker())
-    route = route_with_standby(
-        ("stable", "canary"), healthy, now=0, key="u:a", random_bp=never_random,
-        fallback_ready=True, verdict=ALLOWED,
+    assert route(("stable", "canary"), healthy, serving=UP).destinations == (
+        "stable", "canary", "fallback",
     )  # fmt: skip
-    assert route.destinations == ("stable", "canary", "fallback")
     down = breakers(opened_at(0), opened_at(0))
-    route = route_with_standby(
-        ("stable", "canary"), down, now=1, key="u:a", random_bp=never_random,
-        fallback_ready=True, verdict=ALLOWED,
-    )  # fmt: skip
-    assert route.destinations == ("fallback",)
+    assert route(("stable", "canary"), down).destinations == ("fallback",)
+
+
+def test_hysteresis_holds_users_back_only_while_the_fallback_answers_for_them() -> None:
+    users = [f"u:{i}" for i in range(4000)]
+    # Both primaries down, stable half-open, the fallback ready and allowed: stable takes
+    # its share of users, the fallback the rest.
+    states = breakers(half_open_at(5), opened_at(0))
+    first = [route(("stable",), states, now=6, key=u).destinations[0] for u in users]
+    assert 0.03 < first.count("stable") / len(users) < 0.07  # half_open_share 0.05
+    assert set(first) == {"stable", "fallback"}
+    # The canary healthy beside it: stable takes all its traffic back at once (no traffic
+    # moved from one primary to the other for hysteresis).
+    with_canary = breakers(half_open_at(5))
+    serving = {"stable": True, "canary": True}
+    assert all(
+        route(("stable", "canary"), with_canary, now=6, key=u, serving=serving).destinations[0]
+        == "stable"
+        for u in users
+    )
+    # The fallback refused, or cold: holding users back would only make 503s.
+    assert all(
+        route(("stable",), states, now=6, key=u, verdict=REFUSED).destinations == ("stable",)
+        for u in users
+    )
+    assert all(
+        route(("stable",), states, now=6, key=u, ready=False).destinations == ("stable",)
+        for u in users
+    )
 
 
 def test_no_destination_when_the_guard_refuses_or_the_fallback_is_cold() -> None:
     down = breakers(opened_at(0), opened_at(0))
-    refused = route_with_standby(
-        ("stable",), down, now=1, key="u:a", random_bp=never_random,
-        fallback_ready=True, verdict=REFUSED,
-    )  # fmt: skip
+    refused = route(("stable",), down, verdict=REFUSED)
     assert refused.destinations == () and "outside 5%" in (refused.refused or "")
     assert not refused.wait_for_fallback
-    cold = route_with_standby(
-        ("stable",), down, now=1, key="u:a", random_bp=never_random,
-        fallback_ready=False, verdict=ALLOWED,
-    )  # fmt: skip
+    cold = route(("stable",), down, ready=False)
     assert cold.destinations == () and cold.wait_for_fallback
+    # Cold since the router started (no evaluation reported yet): waited for, not refused;
+    # the guard decides once it serves.
+    never_served = route(("stable",), down, ready=False, verdict=NOT_REPORTED)
+    assert never_served.destinations == () and never_served.wait_for_fallback
+    assert not route(("stable",), down, ready=True, verdict=NOT_REPORTED).destinations
     # With a primary left, a cold fallback is no reason to wait: the primary answers.
-    warm_primary = route_with_standby(
-        ("stable",), breakers(breaker()), now=1, key="u:a", random_bp=never_random,
-        fallback_ready=False, verdict=ALLOWED,
-    )  # fmt: skip
+    warm_primary = route(("stable",), breakers(breaker()), ready=False, serving=UP)
     assert warm_primary.destinations == ("stable",) and not warm_primary.wait_for_fallback
 
 
-def test_serving_from_fallback_means_no_primary_takes_all_traffic() -> None:
+def test_primaries_are_down_only_after_one_served_and_while_none_takes_all_traffic() -> None:
     serving = {"stable": True, "canary": None}
-    assert not serving_from_fallback(breakers(breaker()), serving, 0)
+    healthy = breakers(breaker())
+    assert not primaries_down(healthy, serving, served_before=True)
+    # A deploy whose first load still runs: nothing served yet, no outage to report.
+    assert not primaries_down(healthy, {"stable": None, "canary": None}, served_before=False)
     down = opened_at(0)
-    assert serving_from_fallback(breakers(down), serving, 1)  # canary: no model known
-    assert not serving_from_fallback(breakers(down), {"stable": True, "canary": True}, 1)
-    down.record_probe(2, answered=True, serving=True)  # half-open: still partly fallback
-    assert serving_from_fallback(breakers(down), serving, 3)
+    assert primaries_down(breakers(down), serving, served_before=True)  # canary: no model
+    assert not primaries_down(breakers(down), UP, served_before=True)
+    down.record_probe(2, answered=True, serving=True)  # half-open: not back yet
+    assert primaries_down(breakers(down), serving, served_before=True)
 
 
 # --------------------------------------------------------------------------- config and reports
