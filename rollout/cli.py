@@ -561,19 +561,41 @@ def rollback_command(
     emit({"stable": target.artifact_id, "revision": target.revision})
 
 
-def _standby_view(handle: Any, app_name: str, timeout_s: float) -> StandbyView:
-    from rollout.actor import router_standby
+def _status_url(details: dict[str, Any], app_name: str, dashboard: str) -> str:
+    """The app's ``/v1/status`` on Serve's HTTP ingress, from Serve's own details: the proxy's
+    host (the dashboard's host when it listens on every address) and port, the app's route
+    prefix."""
+    from urllib.parse import urlsplit
+
+    http = details.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    if host in ("0.0.0.0", "::", ""):
+        host = urlsplit(dashboard).hostname or "127.0.0.1"
+    port = int(http.get("port") or 8000)
+    app = (details.get("applications") or {}).get(app_name) or {}
+    prefix = str(app.get("route_prefix") or "/").rstrip("/")
+    return f"http://{host}:{port}{prefix}/v1/status"
+
+
+def _standby_view(url: str, app_name: str, timeout_s: float) -> StandbyView:
+    """The router's standby view, asked as a client asks it: over Serve's HTTP ingress (no
+    Serve handle in this short-lived process: its background polling outlives the command)."""
+    import httpx
+
     from rollout.cluster import ClusterUnreachable
 
     try:
-        view = router_standby(handle, max(0.1, timeout_s))
-    except TimeoutError:
+        answer = httpx.get(url, timeout=max(0.1, timeout_s))
+        answer.raise_for_status()
+        standby = answer.json().get("standby")
+    except (httpx.HTTPError, ValueError) as exc:
         raise ClusterUnreachable(
-            f"the router of application {app_name!r} did not answer within {timeout_s:g} s"
+            f"the router of application {app_name!r} did not answer at {url}: "
+            f"{type(exc).__name__}: {exc}"
         ) from None
-    if view is None:
+    if standby is None:
         raise NotFound(f"--app {app_name}: the application has no fallback deployment")
-    return view
+    return StandbyView.model_validate(standby)
 
 
 def _set_standby_policy(
@@ -624,27 +646,28 @@ def standby_command(
     as_json: bool,
 ) -> None:
     """The router's hot standby: where traffic goes, each breaker, the accuracy guard."""
-    from rollout.actor import router_handle
     from rollout.cluster import ClusterUnreachable, connect
     from rollout.serve_control import ServeControl
 
     deadline = time.monotonic() + timeout_s
-    cluster_dashboard = connect(address, timeout_s)  # the router is asked through Ray
+    # Attached for the dashboard URL and the controller; the router is asked over HTTP.
+    cluster_dashboard = connect(address, timeout_s)
     url = dashboard or cluster_dashboard
     if not url:
         raise ConfigError("--dashboard: the cluster's dashboard URL is unknown; give it")
     control = ServeControl(url)
     try:
-        if control.app_status(app_name) is None:
-            raise NotFound(f"--app {app_name}: no such Serve application")
+        details = control.details()
     finally:
         control.close()
-    handle = router_handle(app_name, router)
+    if app_name not in (details.get("applications") or {}):
+        raise NotFound(f"--app {app_name}: no such Serve application")
+    status_url = _status_url(details, app_name, url)
     # Before any write: an app without a fallback is refused, its config left alone.
-    view = _standby_view(handle, app_name, deadline - time.monotonic())
+    view = _standby_view(status_url, app_name, deadline - time.monotonic())
     if policy is not None and view.policy != policy:
         _set_standby_policy(url, app_name, router, policy, timeout_s)
-        while (view := _standby_view(handle, app_name, deadline - time.monotonic())).policy != (
+        while (view := _standby_view(status_url, app_name, deadline - time.monotonic())).policy != (
             policy
         ):
             if time.monotonic() > deadline:
