@@ -152,15 +152,21 @@ def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
     env.command("rollback", "operator saw something")
     view = env.wait_for_phase("rolled_back", finished=True, timeout=60)
 
-    def all_stable_since() -> float | None:
-        recent = [r for r in run.records if r.start_s > asked and r.cohort]
+    def all_stable_since(records: list) -> float | None:
+        # In order of start (records arrive in order of answer: a slow canary request started
+        # before the switch may still be in flight), from 60 answers on (at 20% canary, 20
+        # stable answers in a row come by chance).
+        recent = sorted((r for r in records if r.start_s > asked and r.cohort),
+                        key=lambda r: r.start_s)  # fmt: skip
         for i, record in enumerate(recent):
-            if all(r.cohort == "stable" for r in recent[i:]) and len(recent) - i >= 20:
+            if all(r.cohort == "stable" for r in recent[i:]) and len(recent) - i >= 60:
                 return record.start_s
         return None
 
-    switched_at = wait_until(all_stable_since, 30, "clients answered by stable only")
-    records = run.stop()
+    wait_until(lambda: all_stable_since(run.records), 30, "clients answered by stable only")
+    records = run.stop()  # every request answered: none still in flight
+    switched_at = all_stable_since(records)
+    assert switched_at is not None
     assert view["reason"] == "operator saw something"
     assert not failed(records)
     assert switched_at - asked < 10, f"{switched_at - asked:.1f}s to stable 100%"

@@ -1,5 +1,5 @@
 """Hot standby on the real stack under load: a third application in the session cluster
-(``standby-e2e``: stable, canary and a fallback deployment on the smaller ranker-lite-v1),
+(``standby-e2e``: stable, an idle canary pool and a fallback on the smaller ranker-lite-v1),
 every primary replica killed with ``ray.kill`` while clients send traffic.
 
 Marked ``standby`` (``pytest -m standby`` runs them alone). The router's standby config is
