@@ -48,7 +48,7 @@ from typing import Final, Literal
 from app.artifact_store import ArtifactSource, check_source_uri
 from app.contracts import FetchConfig, SignatureTrust
 from app.errors import ArtifactRejected, ConfigError
-from app.load_pacing import LoadPacer, checkpoint
+from app.load_control import LoadControl, advance, begin, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
@@ -107,11 +107,11 @@ class VerifiedArtifact:
         self.manifest.file(rel)  # KeyError for a path the manifest does not list
         return self.path / rel
 
-    def read_verified(self, rel: str, pacer: LoadPacer | None = None) -> bytes:
+    def read_verified(self, rel: str, control: LoadControl | None = None) -> bytes:
         """Read a listed file and check size and digest of exactly the bytes returned.
 
         Loaders deserialize from these bytes, so what is loaded is what was verified even if
-        the cached copy was changed after the fetch. ``pacer``: see app.load_pacing.
+        the cached copy was changed after the fetch. ``control``: see app.load_control.
         """
         try:
             entry = self.manifest.file(rel)
@@ -142,8 +142,10 @@ class VerifiedArtifact:
         hasher = hashlib.sha256()
         view = memoryview(data)
         for start in range(0, len(view), HASH_PIECE_BYTES):
-            hasher.update(view[start : start + HASH_PIECE_BYTES])
-            checkpoint(pacer)
+            piece = view[start : start + HASH_PIECE_BYTES]
+            hasher.update(piece)
+            advance(control, "load", len(piece))
+            checkpoint(control)
         digest = hasher.hexdigest()
         if digest != entry.sha256:
             raise ArtifactRejected(
@@ -152,6 +154,121 @@ class VerifiedArtifact:
                 artifact_id=self.manifest.artifact_id,
             )
         return data
+
+    def open_stream(self, rel: str, control: LoadControl | None = None) -> VerifiedStream:
+        """A listed file read once, front to back, hashed as it is read (counted in
+        ``control``'s ``load`` stage, which the loader begins): a loader puts the bytes
+        straight where they go, and ``VerifiedStream.finish`` says whether they were the
+        verified bytes."""
+        try:
+            entry = self.manifest.file(rel)
+        except KeyError:
+            raise ArtifactRejected(
+                "missing",
+                f"{rel!r} is not listed in the manifest",
+                artifact_id=self.manifest.artifact_id,
+            ) from None
+        try:
+            fd = open_regular(self.path / rel, f"cached file {rel!r}")
+        except ArtifactRejected as exc:
+            raise ArtifactRejected(
+                exc.category, exc.detail, artifact_id=self.manifest.artifact_id
+            ) from None
+        except OSError as exc:
+            raise ArtifactRejected(
+                "missing",
+                f"cached file {rel!r} unreadable: {exc.strerror or exc}",
+                artifact_id=self.manifest.artifact_id,
+            ) from exc
+        return VerifiedStream(fd, entry, self.manifest.artifact_id, control)
+
+
+class VerifiedStream:
+    """Sequential reads of one cached file. Every byte handed out is hashed from the buffer
+    it was read into, after the read: what the caller keeps is exactly what was hashed, even
+    if the file changes under it. Nothing read is trustworthy until ``finish`` returns; a
+    caller that fails ``finish`` drops everything it built from the bytes."""
+
+    def __init__(
+        self, fd: int, entry: FileEntry, artifact_id: str, control: LoadControl | None
+    ) -> None:
+        self._file = os.fdopen(fd, "rb", buffering=0)
+        self._entry = entry
+        self._artifact_id = artifact_id
+        self._control = control
+        self._hasher = hashlib.sha256()
+        self.position = 0
+
+    @property
+    def size(self) -> int:
+        """The size the manifest declares (reads never go past it)."""
+        return self._entry.bytes
+
+    def __enter__(self) -> VerifiedStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _rejected(self, category: str, detail: str) -> ArtifactRejected:
+        return ArtifactRejected(category, detail, artifact_id=self._artifact_id)
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill all of ``view`` (a byte view) with the next bytes, then hash them; one
+        checkpoint per call, so callers pass chunks (``CHUNK_BYTES``), not whole files."""
+        view = view.cast("B")
+        wanted = len(view)
+        if self.position + wanted > self.size:
+            raise ValueError(f"read past the declared {self.size} bytes of {self._entry.path!r}")
+        got = 0
+        while got < wanted:
+            n = self._file.readinto(view[got:])
+            if not n:
+                raise self._rejected(
+                    "size",
+                    f"cached {self._entry.path!r} ends at byte {self.position + got}, "
+                    f"manifest says {self.size}",
+                )
+            got += n
+        for start in range(0, wanted, HASH_PIECE_BYTES):
+            self._hasher.update(view[start : start + HASH_PIECE_BYTES])
+        self.position += wanted
+        advance(self._control, "load", wanted)
+        checkpoint(self._control)
+
+    def read(self, n: int) -> bytes:
+        """The next ``n`` bytes (small reads: headers)."""
+        buf = bytearray(n)
+        self.readinto(memoryview(buf))
+        return bytes(buf)
+
+    def skip(self, n: int) -> None:
+        """Read and hash ``n`` bytes nobody keeps (padding between tensors)."""
+        scratch = bytearray(min(n, CHUNK_BYTES))
+        while n > 0:
+            step = min(n, len(scratch))
+            self.readinto(memoryview(scratch)[:step])
+            n -= step
+
+    def finish(self) -> None:
+        """All declared bytes were read, the file has no more, and their SHA-256 is the
+        manifest's: ArtifactRejected ``size`` / ``digest`` otherwise."""
+        if self.position != self.size:
+            self.skip(self.size - self.position)
+        if self._file.read(1):
+            raise self._rejected(
+                "size", f"cached {self._entry.path!r} is larger than the {self.size} bytes declared"
+            )
+        digest = self._hasher.hexdigest()
+        if digest != self._entry.sha256:
+            raise self._rejected(
+                "digest",
+                f"cached {self._entry.path!r} has sha256 {digest}, manifest says "
+                f"{self._entry.sha256} (changed after it was verified)",
+            )
 
 
 class Lease:
@@ -433,28 +550,43 @@ class ArtifactCache:
         manifest_sha256: str,
         *,
         recheck: Literal["sizes", "digests"] = "sizes",
-        pacer: LoadPacer | None = None,
+        control: LoadControl | None = None,
     ) -> VerifiedArtifact:
         """Return the verified entry for ``manifest_sha256``, fetching it if needed.
 
         ``recheck`` says how a hit is re-checked: file sizes (cheap; loaders re-hash what they
         read anyway) or full digests (``rollout verify``). A corrupted hit is set aside and
-        fetched again. ``pacer`` paces the hashing of a background load (app.load_pacing).
+        fetched again. ``control`` paces, counts and can cancel a background load
+        (app.load_control).
         """
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
         # A hit needs no fetch, but it is served only for a URI that could be fetched.
         check_source_uri(manifest_uri, self.fetch)
-        hit = self._open_entry(digest, recheck, pacer, manifest_uri)
+        hit = self._open_entry(digest, recheck, control, manifest_uri)
         if hit is not None:
             return hit
         with self._digest_lock(digest):
             # Another fetcher may have published while we waited for the lock.
-            hit = self._open_entry(digest, recheck, pacer, manifest_uri, holding_lock=True)
+            hit = self._open_entry(digest, recheck, control, manifest_uri, holding_lock=True)
             if hit is not None:
                 return hit
-            return self._download(manifest_uri, digest, pacer)
+            return self._download(manifest_uri, digest, control)
+
+    def set_aside(self, manifest_sha256: str) -> bool:
+        """Unpublish an entry whose bytes were found changed after they were verified (by a
+        loader reading them): the next fetch reads the source again. Readers that have it
+        open keep reading the old files. False when there was no such entry."""
+        digest = manifest_sha256.lower()
+        if not is_sha256_hex(digest):
+            raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
+        with self._digest_lock(digest):
+            entry = self.artifacts_dir / digest
+            if not os.path.lexists(entry):
+                return False
+            self._set_aside(entry, "corrupt")
+            return True
 
     def lease(self, manifest_sha256: str) -> Lease:
         """Pin an entry (present or about to be fetched) against eviction until released."""
@@ -550,7 +682,7 @@ class ArtifactCache:
         self,
         digest: str,
         recheck: str,
-        pacer: LoadPacer | None = None,
+        control: LoadControl | None = None,
         manifest_uri: str | None = None,
         *,
         holding_lock: bool = False,
@@ -576,8 +708,9 @@ class ArtifactCache:
                 if not stat.S_ISREG(st.st_mode) or st.st_size != item.bytes:
                     raise ArtifactRejected("size", f"cached {item.path!r} changed")
             if recheck == "digests":
+                begin(control, "verify", manifest.total_bytes)
                 self._run_parallel(
-                    manifest.files, lambda item: self._rehash(entry / item.path, item, pacer)
+                    manifest.files, lambda item: self._rehash(entry / item.path, item, control)
                 )
             stored_signatures = self._stored_signatures(entry, manifest)
         except (OSError, ArtifactRejected):
@@ -679,14 +812,15 @@ class ArtifactCache:
         return mode
 
     @staticmethod
-    def _rehash(path: Path, item: FileEntry, pacer: LoadPacer | None = None) -> None:
+    def _rehash(path: Path, item: FileEntry, control: LoadControl | None = None) -> None:
         h = hashlib.sha256()
         left = item.bytes + 1  # one more than declared: a grown file is seen, not read forever
         with os.fdopen(open_regular(path, f"cached {item.path!r}"), "rb", buffering=0) as fh:
             while left > 0 and (chunk := fh.read(min(CHUNK_BYTES, left))):
                 left -= len(chunk)
                 h.update(chunk)
-                checkpoint(pacer)
+                advance(control, "verify", len(chunk))
+                checkpoint(control)
         if left != 1:
             raise ArtifactRejected("size", f"cached {item.path!r} changed size")
         if h.hexdigest() != item.sha256:
@@ -741,7 +875,7 @@ class ArtifactCache:
             )
 
     def _download(
-        self, manifest_uri: str, digest: str, pacer: LoadPacer | None = None
+        self, manifest_uri: str, digest: str, control: LoadControl | None = None
     ) -> VerifiedArtifact:
         started = time.monotonic()
         source = ArtifactSource(manifest_uri, self.fetch)
@@ -761,13 +895,14 @@ class ArtifactCache:
             raise
         self.evict(reserve=manifest.total_bytes)
 
+        begin(control, "fetch", manifest.total_bytes)
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}.", dir=self.tmp_dir))
         tmp_fd = os.open(tmp, _DIRECTORY_FLAGS)
         fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
         try:
             self._run_parallel(
                 manifest.files,
-                lambda item: self._copy_verified(source, item, tmp / item.path, pacer),
+                lambda item: self._copy_verified(source, item, tmp / item.path, control),
             )
             fetched = time.monotonic()
             self._write_synced(tmp / MANIFEST_NAME, manifest_bytes)
@@ -842,7 +977,7 @@ class ArtifactCache:
 
     @staticmethod
     def _copy_verified(
-        source: ArtifactSource, item: FileEntry, dest: Path, pacer: LoadPacer | None = None
+        source: ArtifactSource, item: FileEntry, dest: Path, control: LoadControl | None = None
     ) -> None:
         """Stream one file into ``dest`` while hashing; the write of chunk i overlaps the read
         and hash of chunk i+1 (two buffers, one writer thread)."""
@@ -875,7 +1010,8 @@ class ArtifactCache:
                         )
                     view = memoryview(buf)[:n]
                     digest.update(view)
-                    checkpoint(pacer)
+                    advance(control, "fetch", n)
+                    checkpoint(control)
                     if pending is not None:
                         pending.result()
                     pending = writer.submit(_write_all, out, view)

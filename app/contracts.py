@@ -535,7 +535,9 @@ class ErrorInfo(Contract):
 class LoadTimings(Contract):
     """Seconds each stage of the last successful load took. The cache hashes while it
     downloads (``download``), then fsyncs and publishes (``verify``; a cache hit only
-    re-checks); ``paced`` is the part of the stages above spent in pacing pauses."""
+    re-checks); ``load`` reads, hashes and places the weights in one pass; ``paced`` is the
+    part of the stages above spent in pacing pauses. ``fetched_bytes`` came from the store
+    (0 for a cache hit), ``loaded_bytes`` were read from the cache into the model."""
 
     download: Seconds = 0.0
     verify: Seconds = 0.0
@@ -543,6 +545,33 @@ class LoadTimings(Contract):
     dry_run: Seconds = 0.0
     paced: Seconds = 0.0
     install: Seconds | None = None
+    fetched_bytes: Bytes = 0
+    loaded_bytes: Bytes = 0
+
+
+class LoadProgress(Contract):
+    """The load in progress: its target and how far its current stage is (``fetch``: from
+    the store into the cache, hashed; ``verify``: a cache hit re-hashed; ``load``: the
+    weights read from the cache, hashed and placed)."""
+
+    revision: Revision
+    artifact_id: Name
+    stage: Literal["fetch", "verify", "load"]
+    done_bytes: Bytes
+    total_bytes: Bytes
+    elapsed_s: Seconds
+
+    def describe(self) -> str:
+        """e.g. ``loading 3.1/7.0 GiB``."""
+        verb = {"fetch": "fetching", "verify": "verifying", "load": "loading"}[self.stage]
+        return f"{verb} {_size_pair(self.done_bytes, self.total_bytes)}"
+
+
+def _size_pair(done: int, total: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if total >= scale:
+            return f"{done / scale:.1f}/{total / scale:.1f} {unit}"
+    return f"{done}/{total} B"
 
 
 class MemoryFigures(Contract):
@@ -580,6 +609,9 @@ class InstanceReport(Contract):
         tuple[Revision, ...], Field(max_length=MAX_REPORTED_REVISIONS)
     ] = ()
     timings: LoadTimings = LoadTimings()
+    # The load in progress (None when none runs): what ``rollout status`` shows as
+    # "loading 3.1/7.0 GiB" beside the replica.
+    progress: LoadProgress | None = None
     # Wall clock at which the generation now serving was installed: "serving since", and
     # where a load ends when latency traces are lined up with it.
     installed_at: WallClock | None = None
@@ -793,6 +825,7 @@ class ReplicaRow(Contract):
     actual_revision: Revision | None
     error: Text | None
     age_s: float
+    progress: LoadProgress | None = None
 
 
 class CohortWindowView(Contract):

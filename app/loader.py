@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-import safetensors.torch
 import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -45,13 +44,13 @@ from app.features import (
     encode_batch,
     rank_from_logits,
 )
-from app.load_pacing import LoadPacer, checkpoint
+from app.load_control import LoadControl, begin, checkpoint
 from app.manifest import Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
 from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
 
 if TYPE_CHECKING:
-    from app.cache import VerifiedArtifact
+    from app.cache import VerifiedArtifact, VerifiedStream
 
 WEIGHTS_FILES: Final = {"safetensors": "weights.safetensors", "pytorch-state-dict": "weights.pt"}
 PRECISIONS: Final = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -68,6 +67,13 @@ MAX_ZIP_RECORDS: Final = 4096
 ZIP_LOCAL_HEADER_SIGNATURE: Final = b"PK\x03\x04"
 ZIP_LOCAL_HEADER_BYTES: Final = 30
 ZIP_FLAG_ENCRYPTED: Final = 0x1
+# Bytes read (and hashed) per call when they go straight into a tensor: one checkpoint each,
+# so a cancelled load stops within this much. The cache reads in chunks of the same size.
+CHUNK_BYTES: Final = 8 << 20
+# Each of the two staging buffers bytes pass through when they cannot go straight into their
+# tensor (a GPU, or an upcast on the CPU): the host memory a GPU load takes beside the file's
+# page cache, whatever the model's size.
+STAGING_CHUNK_BYTES: Final = 16 << 20
 
 
 def default_device() -> torch.device:
@@ -162,29 +168,14 @@ def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return stored
 
 
-def _deserialize(
-    data: bytes, runtime: str, model: RankerMLP, precision: str
-) -> dict[str, torch.Tensor]:
-    """The state dict in ``data``, with what it declares checked against ``model`` (on the
-    meta device) before a single tensor is read: its bytes can then cost no more than the file
-    and the architecture say."""
-    name = WEIGHTS_FILES[runtime]
-    if runtime == "safetensors":
-        _check_safetensors_header(data, model, precision)
-    else:
-        _check_zip_records(data)
-        _check_declared(_load_torch(data, "meta"), model, precision, name)
-    try:
-        if runtime == "safetensors":
-            state = safetensors.torch.load(data)
-        else:
-            state = _load_torch(data, "cpu")
-    except ArtifactRejected:
-        raise
-    except Exception as exc:  # any failure to parse untrusted bytes is a load rejection
-        raise ArtifactRejected(
-            "load", f"cannot deserialize {name}: {type(exc).__name__}: {exc}"
-        ) from None
+def _deserialize_torch(data: bytes, model: RankerMLP, precision: str) -> dict[str, torch.Tensor]:
+    """The state dict in a verified ``weights.pt``, with what it declares checked against
+    ``model`` (on the meta device) before a single tensor is read: its bytes can then cost no
+    more than the file and the architecture say. The pickle format needs the whole file."""
+    name = WEIGHTS_FILES["pytorch-state-dict"]
+    _check_zip_records(data)
+    _check_declared(_load_torch(data, "meta"), model, precision, name)
+    state = _load_torch(data, "cpu")
     _check_flat(state, name)
     for key, tensor in state.items():
         if tensor.device.type != "cpu":
@@ -195,6 +186,100 @@ def _deserialize(
                 f"{key} in {name} is on the {tensor.device.type} device, not cpu"
                 + (" (a meta tensor holds no data)" if tensor.is_meta else ""),
             )
+    return state
+
+
+class _Staging:
+    """Two bounded host buffers that bytes pass through on their way into tensors that
+    cannot take them directly (another device, another dtype). Pinned for a GPU, so the copy
+    to the device runs asynchronously while the next chunk is read and hashed; a buffer is
+    reused only once the copy out of it has finished (its CUDA event)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.nbytes = nbytes
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in "ab"]
+        self._events: list[Any] = [None, None]
+        self._next = 0
+        self._cuda = pin
+
+    def fill(self, stream: VerifiedStream, nbytes: int) -> tuple[torch.Tensor, int]:
+        """The next ``nbytes`` of ``stream`` in a free buffer (a view of it), and its slot."""
+        slot = self._next
+        self._next ^= 1
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+            self._events[slot] = None
+        view = self._buffers[slot][:nbytes]
+        stream.readinto(memoryview(view.numpy()))
+        return view, slot
+
+    def copied(self, slot: int) -> None:
+        """A copy out of ``slot`` was queued: remember when it is done."""
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+
+    def drain(self) -> None:
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+
+
+def _stream_safetensors(
+    stream: VerifiedStream,
+    model: RankerMLP,
+    precision: str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """One pass over ``weights.safetensors``: the header is read and checked against the
+    architecture first, then every tensor is allocated where it will live (``device``, the
+    compute dtype) and filled from the stream chunk by chunk, each chunk hashed as it is read.
+    Host memory: the tensors (on CPU) plus at most two staging chunks; nothing holds the
+    file. The result is only trusted after ``stream.finish()`` (called here): on a digest
+    mismatch everything built is dropped with the exception."""
+    name = WEIGHTS_FILES["safetensors"]
+    if stream.size < 8:
+        raise _unreadable(name, f"header: the file is {stream.size} bytes")
+    (header_len,) = struct.unpack("<Q", stream.read(8))
+    if header_len > min(stream.size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+        raise _unreadable(
+            name,
+            f"header declares {header_len} bytes; the file has {stream.size - 8} after "
+            f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
+        )
+    payload = stream.size - 8 - header_len
+    spans = _check_safetensors_header(stream.read(header_len), payload, model, precision)
+    stored = PRECISIONS[precision]
+    shapes = _expected_shapes(model)
+    state = {key: torch.empty(shapes[key], dtype=compute_dtype, device=device) for key in shapes}
+    # Same dtype on the CPU: bytes go straight into the tensor's memory, no staging at all.
+    direct = device.type == "cpu" and stored == compute_dtype
+    staging = None if direct else _Staging(STAGING_CHUNK_BYTES, device)
+    at = 0
+    for start, end, key in spans:
+        if start > at:
+            stream.skip(start - at)  # padding: hashed like every other byte
+        flat = state[key].view(-1)
+        if direct:
+            target = memoryview(flat.view(torch.uint8).numpy())
+            for start in range(0, len(target), CHUNK_BYTES):
+                stream.readinto(target[start : start + CHUNK_BYTES])
+        else:
+            assert staging is not None
+            per_chunk = staging.nbytes // stored.itemsize
+            for first in range(0, flat.numel(), per_chunk):
+                count = min(per_chunk, flat.numel() - first)
+                chunk, slot = staging.fill(stream, count * stored.itemsize)
+                flat[first : first + count].copy_(chunk.view(stored), non_blocking=True)
+                staging.copied(slot)
+        at = end
+    if staging is not None:
+        staging.drain()
+    stream.finish()
     return state
 
 
@@ -291,22 +376,16 @@ def _check_declared(state: object, model: RankerMLP, precision: str, name: str) 
         )
 
 
-def _check_safetensors_header(data: bytes, model: RankerMLP, precision: str) -> None:
-    """The safetensors header (8-byte length, JSON) against the architecture and the file,
-    before the library reads a tensor: the right keys, dtype and shapes, and byte ranges that
-    are exactly each tensor's size, inside the file and not overlapping."""
+def _check_safetensors_header(
+    header_bytes: bytes, payload: int, model: RankerMLP, precision: str
+) -> list[tuple[int, int, str]]:
+    """The safetensors header (its JSON, after the 8-byte length) against the architecture
+    and the file, before a tensor is read: the right keys, dtype and shapes, and byte ranges
+    of the ``payload`` bytes that follow it that are exactly each tensor's size, inside the
+    file and not overlapping. Returns the ranges in file order, with their tensor names."""
     name = WEIGHTS_FILES["safetensors"]
-    if len(data) < 8:
-        raise _unreadable(name, f"header: the file is {len(data)} bytes")
-    (header_len,) = struct.unpack_from("<Q", data, 0)
-    if header_len > min(len(data) - 8, MAX_SAFETENSORS_HEADER_BYTES):
-        raise _unreadable(
-            name,
-            f"header declares {header_len} bytes; the file has {len(data) - 8} after "
-            f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
-        )
     try:
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(header_bytes)
     except ValueError:  # UnicodeDecodeError included
         raise _unreadable(name, "header is not JSON") from None
     if not isinstance(header, dict):
@@ -316,7 +395,6 @@ def _check_safetensors_header(data: bytes, model: RankerMLP, precision: str) -> 
     _check_keys(expected, header, f"{name} header: ")
     dtype_tag = SAFETENSORS_DTYPES[precision]
     itemsize = PRECISIONS[precision].itemsize
-    payload = len(data) - 8 - header_len
     spans: list[tuple[int, int, str]] = []
     for key in sorted(header):
         info = header[key]
@@ -352,6 +430,7 @@ def _check_safetensors_header(data: bytes, model: RankerMLP, precision: str) -> 
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise ArtifactRejected("load", f"{name} header: {first} and {second} overlap")
+    return spans
 
 
 def _unreadable(name: str, problem: str) -> ArtifactRejected:
@@ -423,6 +502,7 @@ class LoadedModel:
         self.labels = labels
         self.memory = memory
         self.timings: dict[str, float] = {}
+        self.loaded_bytes = 0  # read from the cache, hashed and placed by the load
         self._model: RankerMLP | None = model
 
     def _logits(self, requests: Sequence[WireRequest]) -> tuple[torch.Tensor, np.ndarray]:
@@ -464,11 +544,11 @@ class LoadedModel:
 
     # ------------------------------------------------------------------ dry run
 
-    def dry_run(self, pacer: LoadPacer | None = None) -> None:
+    def dry_run(self, control: LoadControl | None = None) -> None:
         """Run the service's representative requests and validate every output."""
         tol = BATCH_INVARIANCE_ATOL[self.compute_dtype]
         for batch in representative_batches(self.normalization):
-            checkpoint(pacer)
+            checkpoint(control)
             logits, offsets = self._logits(batch)
             rows = int(offsets[-1])
             if tuple(logits.shape) != (rows,):
@@ -492,7 +572,7 @@ class LoadedModel:
                 # Batch invariance: each request alone scores as it did inside the batch.
                 in_batch = _sigmoid(host)
                 for i, req in enumerate(batch):
-                    checkpoint(pacer)
+                    checkpoint(control)
                     alone_logits, _ = self._logits([req])
                     alone = _sigmoid(alone_logits.float().cpu().numpy())
                     diff = float(np.max(np.abs(alone - in_batch[offsets[i] : offsets[i + 1]])))
@@ -580,7 +660,17 @@ def _memory_estimate(
     n = params.param_count
     weight_bytes = n * compute_dtype.itemsize
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
-    if device.type == "cpu":
+    if manifest.runtime == "safetensors":
+        # Streamed (_stream_safetensors): tensors are allocated where they live and filled
+        # chunk by chunk. On the CPU the bytes go straight in, or through the two staging
+        # buffers when they are upcast; on a GPU a converting copy takes one chunk of the
+        # device beside the (host-side, pinned) staging.
+        if device.type == "cpu":
+            temporaries = 0 if stored == compute_dtype else 2 * STAGING_CHUNK_BYTES
+        else:
+            temporaries = 0 if stored == compute_dtype else STAGING_CHUNK_BYTES
+            temporaries = temporaries * compute_dtype.itemsize // stored.itemsize
+    elif device.type == "cpu":
         # The verified file bytes, plus the deserialized tensors when they are upcast. The
         # file bounds what deserializing costs: compressed records are refused and declared
         # storage may not exceed the parameters (_check_zip_records, _check_declared).
@@ -607,10 +697,11 @@ def load_verified(
     device: torch.device | None = None,
     budget: MemoryBudget | None = None,
     resident_bytes: int = 0,
-    pacer: LoadPacer | None = None,
+    control: LoadControl | None = None,
 ) -> LoadedModel:
     """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure.
-    ``pacer`` paces a background load (app.load_pacing): hashing and dry-run forwards."""
+    ``control`` paces, counts (stage ``load``) and can cancel a background load
+    (app.load_control): each chunk read and hashed, each dry-run forward."""
     manifest = artifact.manifest
     aid = manifest.artifact_id
     device = device or default_device()
@@ -625,22 +716,34 @@ def load_verified(
                 manifest, params, device, compute_dtype, budget, resident_bytes
             )
             check_budget(memory)
-        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, pacer))
-        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, pacer))
-        model = build_ranker(manifest.architecture, device="meta")
-        state = _deserialize(
-            artifact.read_verified(WEIGHTS_FILES[manifest.runtime], pacer),
-            manifest.runtime,
-            model,
-            manifest.precision,
+        weights_file = WEIGHTS_FILES[manifest.runtime]
+        begin(
+            control,
+            "load",
+            sum(manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE))
+            + manifest.file(weights_file).bytes,
         )
-        checkpoint(pacer)
-        _check_state(state, model, manifest.precision)
+        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, control))
+        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, control))
+        model = build_ranker(manifest.architecture, device="meta")
+        if manifest.runtime == "safetensors":
+            with artifact.open_stream(weights_file, control) as stream:
+                state = _stream_safetensors(
+                    stream, model, manifest.precision, device, compute_dtype
+                )
+        else:
+            state = _deserialize_torch(
+                artifact.read_verified(weights_file, control), model, manifest.precision
+            )
+        checkpoint(control)
+        if manifest.runtime != "safetensors":
+            _check_state(state, model, manifest.precision)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:
             raise ArtifactRejected("load", f"load_state_dict: {exc}") from None
         del state
+        # A no-op for streamed tensors (already on ``device`` in the compute dtype).
         model.to(device=device, dtype=compute_dtype).eval().requires_grad_(False)
         loaded = LoadedModel(
             manifest=manifest,
@@ -653,7 +756,7 @@ def load_verified(
         )
         t1 = time.perf_counter()
         try:
-            loaded.dry_run(pacer)
+            loaded.dry_run(control)
         except ArtifactRejected:
             loaded.close()
             raise
@@ -661,6 +764,9 @@ def load_verified(
             loaded.close()
             raise ArtifactRejected("dry_run", f"{type(exc).__name__}: {exc}") from None
         loaded.timings.update(load=t1 - t0, dry_run=time.perf_counter() - t1)
+        loaded.loaded_bytes = sum(
+            manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE, weights_file)
+        )
         return loaded
     except ArtifactRejected as exc:
         if exc.artifact_id is None:

@@ -26,8 +26,9 @@ MiB: Final = 1 << 20
 @dataclass(frozen=True)
 class MemoryBudget:
     """``capacity_bytes`` None: ask the device (CUDA: free + what this process's allocator
-    holds; CPU: MemAvailable + resident). ``margin_bytes`` covers the runtime and allocator
-    fragmentation; ``margin_fraction`` scales with the candidate's weights."""
+    holds; CPU: MemAvailable, or the cgroup's headroom when that is less, + resident).
+    ``margin_bytes`` covers the runtime and allocator fragmentation; ``margin_fraction``
+    scales with the candidate's weights."""
 
     capacity_bytes: int | None = None
     margin_bytes: int = 256 * MiB
@@ -109,11 +110,81 @@ def device_capacity(device: torch.device, resident_bytes: int = 0) -> int | None
 
 
 def _mem_available() -> int | None:
+    """What this process could still allocate on the host: the kernel's MemAvailable, or
+    less when the process's cgroup (a container's limit, a Kubernetes pod's) leaves less."""
+    available = _meminfo_available(Path("/proc/meminfo"))
+    headroom = cgroup_headroom(Path("/proc/self/cgroup"), Path("/sys/fs/cgroup"))
+    if available is None:
+        return headroom
+    return available if headroom is None else min(available, headroom)
+
+
+def _meminfo_available(meminfo: Path) -> int | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_headroom(proc_cgroup: Path, mount: Path) -> int | None:
+    """Limit minus usage of the memory cgroup the process is in (cgroup v2's ``memory.max``
+    and ``memory.current``, or v1's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``),
+    counting the page cache the kernel can reclaim (``inactive_file``) as free. None when
+    no limit is set or none can be read: MemAvailable decides alone."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            root, names = mount, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root, names = mount / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # A container's own mount may have its cgroup at the root (a cgroup namespace, or a
+        # path that only makes sense on the host): the named path first, then the root.
+        for base in (root / rel, root):
+            limit, usage = _read_int(base / names[0]), _read_int(base / names[1])
+            if usage is None:
+                continue
+            # v1 reports "no limit" as a number near 2**63.
+            if limit is None or limit >= 1 << 60:
+                break
+            reclaimable = _stat_value(
+                base / "memory.stat", ("total_inactive_file", "inactive_file")
+            )
+            return max(0, limit - usage + (reclaimable or 0))
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` (in that order of preference) that ``memory.stat`` holds."""
+    try:
+        values = dict(line.split(" ", 1) for line in path.read_text().splitlines() if " " in line)
+        for key in keys:
+            if key in values:
+                return int(values[key])
+    except (OSError, ValueError):
         return None
     return None
 

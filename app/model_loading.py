@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -23,9 +23,13 @@ from app.contracts import LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
 from app.features import FEATURE_SCHEMA
 from app.generations import Generation, GenerationHolder
+from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
 from app.loader import LoadedModel, load_verified
 from app.memory import MemoryBudget
+
+# What a loader reading a verified cache entry finds when the entry's bytes changed since.
+CACHED_BYTES_CHANGED: Final = frozenset({"size", "digest"})
 
 
 @dataclass
@@ -78,7 +82,7 @@ class ModelLoader:
         self._budget = budget
         self._device = device
 
-    def load(self, target: Target) -> Candidate:
+    def load(self, target: Target, control: LoadControl | None = None) -> Candidate:
         if target.feature_schema != FEATURE_SCHEMA:
             raise ArtifactRejected(
                 "schema",
@@ -96,11 +100,14 @@ class ModelLoader:
             raise
         cache = self._cache()
         share = self._cpu_share()
-        pacer = LoadPacer(share) if share is not None else None  # a share of 1 never pauses
+        control = control or LoadControl()
+        if share is not None:
+            control.pacer = LoadPacer(share)  # a share of 1 never pauses
         lease = cache.lease(target.manifest_sha256)
+        artifact_read = False  # the cache handed out a verified entry, now being read
         try:
             artifact = cache.fetch_verified(
-                target.manifest_uri, target.manifest_sha256, pacer=pacer
+                target.manifest_uri, target.manifest_sha256, control=control
             )
             if artifact.manifest.artifact_id != target.artifact_id:
                 raise ArtifactRejected(
@@ -125,13 +132,21 @@ class ModelLoader:
                 )
             current = self._holder.current
             resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
+            artifact_read = True
             model = load_verified(
                 artifact,
                 device=self._device,
                 budget=self._budget(),
                 resident_bytes=resident,
-                pacer=pacer,
+                control=control,
             )
+        except ArtifactRejected as exc:
+            lease.release()
+            if exc.category in CACHED_BYTES_CHANGED and artifact_read:
+                # The cached copy changed after it was verified (disk rot, a hand edit): the
+                # retry must read the source, not the same bad entry.
+                cache.set_aside(target.manifest_sha256)
+            raise
         except BaseException:
             lease.release()
             raise
@@ -142,7 +157,9 @@ class ModelLoader:
             ),
             load=float(model.timings.get("load", 0.0)),
             dry_run=float(model.timings.get("dry_run", 0.0)),
-            paced=pacer.paused_s if pacer is not None else 0.0,
+            paced=control.paused_s,
+            fetched_bytes=0 if artifact.cached else artifact.manifest.total_bytes,
+            loaded_bytes=model.loaded_bytes,
         )
         return Candidate(target, model, lease, timings)
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -92,7 +93,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise ConfigError(f"{what}: {path} is not valid JSON ({exc})") from exc
 
 
-def _copy_hashing(src: Path, dest: Path) -> tuple[str, int]:
+def _copy_hashing(
+    src: Path, dest: Path, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +104,8 @@ def _copy_hashing(src: Path, dest: Path) -> tuple[str, int]:
             h.update(chunk)
             fout.write(chunk)
             size += len(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
         fout.flush()
         os.fsync(fout.fileno())
     return h.hexdigest(), size
@@ -119,6 +124,8 @@ def pack_artifact(
     metadata: dict[str, Any] | None = None,
     sign_key: Path | None = None,
     signature_file: str = DEFAULT_SIGNATURE_FILE,
+    on_start: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> PackResult:
     """Copy every regular file of ``src_dir`` into ``out_dir`` and write ``manifest.json``.
 
@@ -130,6 +137,9 @@ def pack_artifact(
     computed while copying (the files are not read again). ``signature_file`` is reserved
     either way: a source file of that name is refused. Top-level git metadata (``.git``,
     ``.gitattributes``, ...) is not copied.
+
+    ``on_start(total_bytes)`` is called once before the copy, ``on_bytes(n)`` as each chunk
+    is copied and hashed (a progress bar).
     """
     try:
         signature_file = SignatureTrust(signature_file=signature_file).signature_file
@@ -175,10 +185,12 @@ def pack_artifact(
     key = load_signing_key(sign_key) if sign_key is not None else None  # before any copy
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if on_start is not None:
+        on_start(sum((src_dir / rel).stat().st_size for rel in payload))
     try:
         files = []
         for rel in payload:
-            digest, size = _copy_hashing(src_dir / rel, out_dir / rel)
+            digest, size = _copy_hashing(src_dir / rel, out_dir / rel, on_bytes)
             files.append(FileEntry(path=rel, sha256=digest, bytes=size))
         try:
             manifest = Manifest(

@@ -4,8 +4,10 @@ The replica tells the reconciler what it should serve (``submit``); one backgrou
 makes it so. Rules:
 
 - single flight: one load at a time, on one worker thread;
-- latest target wins: a newer target replaces pending work; a load that finishes after its
-  target was superseded is discarded, never installed;
+- latest target wins: a newer target replaces pending work and cancels a load in progress,
+  which stops at its next checkpoint (one chunk of bytes, one dry-run forward: the loader
+  gets a ``LoadControl``); a load that finishes after its target was superseded is
+  discarded, never installed;
 - a late target (revision lower than the desired one) is ignored; the same revision with a
   different artifact is refused (a registry inconsistency worth an alert);
 - desired is re-checked under the lock right before install, and ``submit`` takes the same
@@ -13,8 +15,8 @@ makes it so. Rules:
 - failures are retried with capped exponential backoff and jitter when they can be transient
   (I/O, a download that came out short), and given up on at once when they cannot (a wrong
   schema stays wrong); either way the serving generation is untouched;
-- ``clear`` (the target was removed: an idle pool) drops pending work, discards a load in
-  progress when it finishes, and retires the serving generation (``TargetLoader.retire``).
+- ``clear`` (the target was removed: an idle pool) drops pending work, cancels a load in
+  progress, and retires the serving generation (``TargetLoader.retire``).
   The cleared target's revision stays the floor: a lower revision afterwards is still late;
 - the worker never dies silently: an error nothing expected (a bug, a dependency failing in a
   way no load failure does) restarts it after a short, growing pause; the restart is logged,
@@ -43,6 +45,7 @@ from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
 from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
+from app.load_control import LoadCancelled, LoadControl, StageProgress
 from app.safe_text import redact_in, redact_uri
 
 log = logging.getLogger(__name__)
@@ -145,12 +148,14 @@ class BackoffPolicy:
 
 
 class TargetLoader(Protocol, Generic[M]):
-    """The steps the reconciler drives. ``load`` may take minutes and may raise; ``install``
+    """The steps the reconciler drives. ``load`` may take minutes and may raise; it calls
+    ``control.checkpoint()`` between units of work (raising ``LoadCancelled`` once the target
+    is no longer wanted) and counts its progress there; ``install``
     is quick and returns False if the installed generation refused it (stale); ``discard``
     frees a loaded model that will never serve; ``retire`` stops serving the installed
     generation (quick: requests in flight finish on it, cleanup follows when they have)."""
 
-    def load(self, target: Target) -> M: ...
+    def load(self, target: Target, control: LoadControl) -> M: ...
 
     def install(self, target: Target, loaded: M) -> bool: ...
 
@@ -162,8 +167,9 @@ class TargetLoader(Protocol, Generic[M]):
 @dataclass(frozen=True)
 class ReconcileEvent:
     """Something the replica reports or counts. ``kind``: accepted, unchanged, late,
-    conflict, loading, installed, discarded, retry_scheduled, failed, cleared,
-    worker_restarted (``error``: what killed it)."""
+    conflict, loading, installed, discarded, cancelled (a load stopped because its target
+    was superseded or cleared), retry_scheduled, failed, cleared, worker_restarted
+    (``error``: what killed it)."""
 
     kind: str
     target: Target | None
@@ -182,6 +188,8 @@ class ReconcilerSnapshot:
     discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
     worker_restarts: int = 0  # the worker died of an unexpected error and was restarted
     worker_crash: ErrorInfo | None = None  # the last such error
+    progress: StageProgress | None = None  # of the load in progress, if any
+    loading: Target | None = None  # the target of that load
 
 
 def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
@@ -240,6 +248,8 @@ class Reconciler(Generic[M]):
         self._work = False  # the desired target still needs loading
         self._retry_at = 0.0
         self._busy = False  # the worker is inside a load
+        self._control: LoadControl | None = None  # the load in progress: cancel, progress
+        self._loading: Target | None = None  # its target
         self._closed = False
         self._worker: threading.Thread | None = None
         self._worker_restarts = 0
@@ -282,6 +292,7 @@ class Reconciler(Generic[M]):
                 raise RuntimeError(f"{self._name} is closed")
             decision = self._classify(target)
             if decision is Decision.ACCEPTED:
+                self._cancel_load(f"superseded by revision {target.revision}")
                 self._desired = target
                 self._attempts = 0
                 self._retry_at = 0.0
@@ -311,6 +322,7 @@ class Reconciler(Generic[M]):
                 return False
             if previous is not None:
                 self._cleared = previous
+            self._cancel_load("the target was cleared")
             self._desired = None
             self._work = False
             self._attempts = 0
@@ -323,6 +335,11 @@ class Reconciler(Generic[M]):
             self._cond.notify_all()
         self._emit(ReconcileEvent("cleared", previous))
         return True
+
+    def _cancel_load(self, why: str) -> None:
+        """Under the lock: the load in progress (if any) stops at its next checkpoint."""
+        if self._control is not None:
+            self._control.cancel(why)
 
     def load_blocking(self, target: Target) -> None:
         """Startup: make ``target`` the desired and actual target in the calling thread.
@@ -484,7 +501,16 @@ class Reconciler(Generic[M]):
         """Load, re-check desired, install; raises what the load raised."""
         self._emit(ReconcileEvent("loading", target, attempt=attempt))
         started = self._clock()
-        loaded = self._loader.load(target)
+        control = LoadControl()
+        with self._cond:
+            if self._desired != target or self._closed:
+                control.cancel("superseded before it started")
+            self._control, self._loading = control, target
+        try:
+            loaded = self._loader.load(target, control)
+        finally:
+            with self._cond:
+                self._control, self._loading = None, None
         with self._cond:
             current = self._desired == target and not self._closed
             installed = current and self._loader.install(target, loaded)
@@ -518,6 +544,12 @@ class Reconciler(Generic[M]):
         self._emit(ReconcileEvent("discarded", target, attempt=attempt))
 
     def _failed(self, target: Target, attempt: int, exc: Exception) -> None:
+        if isinstance(exc, LoadCancelled):
+            # Not a failure: the target is no longer wanted, whatever is (if anything)
+            # is the worker's next job.
+            log.info("%s: load of %s stopped: %s", self._name, describe_target(target), exc)
+            self._emit(ReconcileEvent("cancelled", target, attempt=attempt))
+            return
         error = error_info(exc, target)
         with self._cond:
             if self._desired != target:
@@ -565,6 +597,8 @@ class Reconciler(Generic[M]):
                 discarded=tuple(self._discarded),
                 worker_restarts=self._worker_restarts,
                 worker_crash=self._worker_crash,
+                progress=self._control.progress() if self._control is not None else None,
+                loading=self._loading,
             )
 
     def wait_settled(self, timeout: float) -> bool:
@@ -579,9 +613,10 @@ class Reconciler(Generic[M]):
             return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker; a load in progress finishes and is discarded."""
+        """Stop the worker; a load in progress stops at its next checkpoint."""
         with self._cond:
             self._closed = True
+            self._cancel_load("the replica is shutting down")
             self._cond.notify_all()
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():

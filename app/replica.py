@@ -53,6 +53,7 @@ from app.contracts import (
     ErrorInfo,
     FetchConfig,
     InstanceReport,
+    LoadProgress,
     LoadTimings,
     MemoryFigures,
     ModelMeta,
@@ -80,6 +81,7 @@ from app.reconciler import (
     BackoffPolicy,
     ReconcileEvent,
     Reconciler,
+    ReconcilerSnapshot,
     clipped_error,
     safe_message,
 )
@@ -384,6 +386,7 @@ class RankerReplica:
             last_error=self._latest_error(snap.last_error),
             discarded_revisions=snap.discarded[-MAX_REPORTED_REVISIONS:],
             timings=self._timings,
+            progress=_progress(snap),
             installed_at=self._installed_at if current is not None else None,
             capacity=Capacity(
                 max_batch_size=cfg.batching.max_batch_size if cfg else None,
@@ -454,3 +457,17 @@ class RankerReplica:
         self._reporter.close()
         self._reconciler.close()
         self._holder.close()
+
+
+def _progress(snap: ReconcilerSnapshot) -> LoadProgress | None:
+    if snap.progress is None or snap.loading is None:
+        return None
+    p = snap.progress
+    return LoadProgress(
+        revision=snap.loading.revision,
+        artifact_id=snap.loading.artifact_id,
+        stage=p.stage,
+        done_bytes=p.done_bytes,
+        total_bytes=p.total_bytes,
+        elapsed_s=max(0.0, p.elapsed_s),
+    )

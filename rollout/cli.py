@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import click
 from pydantic import ValidationError
@@ -67,6 +67,10 @@ from rollout.exit_codes import (
 )
 from rollout.status_view import render_status, standby_lines
 
+if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the cache
+    from app.cache import ArtifactCache, VerifiedArtifact
+    from rollout.progress_bar import Bars
+
 DEFAULT_CACHE_DIR: Final = "var/cache"
 
 
@@ -114,6 +118,13 @@ def cli() -> None:
     help="Name of the OpenSSF signature file in the artifact directory (reserved: a source "
     "file of that name is refused).",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Machine mode: the JSON line only, never a progress bar (one is drawn on stderr "
+    "when it is a terminal).",
+)
 def pack(
     src_dir: Path,
     model: str,
@@ -125,9 +136,11 @@ def pack(
     architecture_json: str | None,
     sign_key: Path | None,
     signature_file: str,
+    as_json: bool,
 ) -> None:
     """Pack SRC_DIR into an immutable artifact directory with a manifest."""
     from app.packing import pack_artifact
+    from rollout.progress_bar import progress_bars, wanted
 
     architecture = None
     if architecture_json is not None:
@@ -135,18 +148,21 @@ def pack(
             architecture = Architecture.model_validate_json(architecture_json)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--architecture") from exc
-    result = pack_artifact(
-        src_dir,
-        out_dir,
-        model=model,
-        artifact_id=artifact_id,
-        feature_schema=feature_schema,
-        runtime=runtime,
-        precision=precision,
-        architecture=architecture,
-        sign_key=sign_key,
-        signature_file=signature_file,
-    )
+    with progress_bars(wanted(as_json)) as bars:
+        result = pack_artifact(
+            src_dir,
+            out_dir,
+            model=model,
+            artifact_id=artifact_id,
+            feature_schema=feature_schema,
+            runtime=runtime,
+            precision=precision,
+            architecture=architecture,
+            sign_key=sign_key,
+            signature_file=signature_file,
+            on_start=lambda total: bars.start("copy + hash", total),
+            on_bytes=lambda n: bars.advance("copy + hash", n),
+        )
     emit(result.as_json())
 
 
@@ -184,6 +200,13 @@ def _redacting(*uris: str) -> Iterator[None]:
     show_default=True,
     help="The model the service serves (loading.model): a manifest of another is refused.",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Machine mode: the JSON line only, never a progress bar (one is drawn on stderr "
+    "when it is a terminal).",
+)
 def verify(
     manifest_uri: str,
     manifest_sha256: str,
@@ -191,19 +214,25 @@ def verify(
     load: bool,
     memory_budget: int | None,
     model: str,
+    as_json: bool,
     **trust_args: Any,
 ) -> None:
     """Fetch MANIFEST_URI into the verified cache and check every file and that this service
     can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
     from app.cache import ArtifactCache
+    from app.load_control import LoadControl
     from app.loader import check_compatibility
     from app.trust import TrustPolicy
+    from rollout.progress_bar import progress_bars, wanted, watching
 
     trust = trust_from_options(trust_args)
     started = time.monotonic()
-    with _redacting(manifest_uri):
+    with _redacting(manifest_uri), progress_bars(wanted(as_json)) as bars:
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
-        artifact = cache.fetch_verified(manifest_uri, manifest_sha256, recheck="digests")
+        with watching(LoadControl(), bars) as control:
+            artifact = cache.fetch_verified(
+                manifest_uri, manifest_sha256, recheck="digests", control=control
+            )
         # What the manifest says decides whether the service could ever serve it: no weights
         # need loading to refuse an unknown runtime, schema, precision or architecture.
         if artifact.manifest.model != model:
@@ -214,6 +243,8 @@ def verify(
                 artifact_id=artifact.manifest.artifact_id,
             )
         check_compatibility(artifact.manifest)
+        if load:
+            payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, memory_budget, bars)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),
@@ -222,21 +253,37 @@ def verify(
         "signature": artifact.signature,
     }
     if load:
-        from app.loader import load_verified
-        from app.memory import MemoryBudget
+        payload["loaded"] = payload_loaded
+    payload["seconds"] = round(time.monotonic() - started, 4)
+    emit(payload)
 
-        budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
-        with cache.lease(manifest_sha256):
-            model = load_verified(artifact, budget=budget)
-            payload["loaded"] = {
+
+def _load_for_verify(
+    cache: ArtifactCache,
+    artifact: VerifiedArtifact,
+    manifest_sha256: str,
+    memory_budget: int | None,
+    bars: Bars,
+) -> dict[str, Any]:
+    """``verify --load``: build, strictly load and dry-run, with the load's bar."""
+    from app.load_control import LoadControl
+    from app.loader import load_verified
+    from app.memory import MemoryBudget
+    from rollout.progress_bar import watching
+
+    budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
+    with cache.lease(manifest_sha256), watching(LoadControl(), bars) as control:
+        model = load_verified(artifact, budget=budget, control=control)
+        try:
+            return {
                 "device": str(model.device),
                 "runtime_build": model.runtime_build,
                 "param_bytes": model.param_bytes,
+                "loaded_bytes": model.loaded_bytes,
                 **{f"{k}_s": round(v, 4) for k, v in model.timings.items()},
             }
+        finally:
             model.close()
-    payload["seconds"] = round(time.monotonic() - started, 4)
-    emit(payload)
 
 
 @cli.command("make-demo-artifacts")

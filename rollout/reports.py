@@ -223,7 +223,10 @@ def incarnation_of(report: InstanceReport) -> str:
 
 def registry_record(report: InstanceReport, *, model: str, environment: str) -> ReplicaReportRecord:
     assert report.cohort is not None
-    timings = report.timings.model_dump(mode="json", exclude_none=True)
+    # The record's timings are seconds by stage; the byte counts stay in the live report.
+    timings = report.timings.model_dump(
+        mode="json", exclude_none=True, exclude={"fetched_bytes", "loaded_bytes"}
+    )
     return ReplicaReportRecord(
         replica_id=report.replica_id,
         model=model,

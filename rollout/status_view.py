@@ -22,6 +22,7 @@ from app.contracts import (
     HoldView,
     InstanceReport,
     PublishedTarget,
+    ReplicaPhase,
     ReplicaRow,
     RolloutEvent,
     RolloutSummary,
@@ -88,6 +89,15 @@ def rollout_summary(
     )
 
 
+def _phase_cell(row: ReplicaRow) -> str:
+    """The phase, or for a load in progress how far it is ("loading 3.1/7.0 GiB")."""
+    if row.progress is None:
+        return str(row.phase)
+    if row.phase is ReplicaPhase.LOADING:
+        return row.progress.describe()
+    return f"{row.phase} ({row.progress.describe()})"
+
+
 def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[ReplicaRow, ...]:
     rows = (
         ReplicaRow(
@@ -100,6 +110,7 @@ def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[Rep
             desired_revision=r.desired_revision,
             error=clip_text(r.last_error.describe()) if r.last_error is not None else None,
             age_s=round(now - r.heartbeat, 1),
+            progress=r.progress,
         )
         for replica_id, r in reports.items()
     )
@@ -269,7 +280,7 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                     for cell in (
                         r.replica,
                         str(r.cohort or "-"),
-                        str(r.phase),
+                        _phase_cell(r),
                         _at_revision(r.desired, r.desired_revision),
                         _at_revision(r.actual, r.actual_revision),
                         f"{r.age_s:.1f}s ago",

@@ -260,3 +260,21 @@ def test_the_hot_standby_shows_where_traffic_goes_the_guard_and_each_breaker() -
     )
     # No fallback deployment: no standby lines at all.
     assert "standby" not in render(view())
+
+
+def test_a_loading_replica_shows_how_far_its_load_is() -> None:
+    loading = replica("c1", "canary", "loading", "ranker-v41", 1, desired=("ranker-v42", 2))
+    loading["progress"] = {
+        "revision": 2,
+        "artifact_id": "ranker-v42",
+        "stage": "load",
+        "done_bytes": int(3.1 * (1 << 30)),
+        "total_bytes": 7 * (1 << 30),
+        "elapsed_s": 12.5,
+    }
+    fetching = replica("c2", "canary", "loading", None, None, desired=("ranker-v42", 2))
+    fetching["progress"] = dict(loading["progress"], stage="fetch", done_bytes=512 << 20)
+    lines = render(view(replicas=[loading, fetching])).splitlines()
+    row = next(line for line in lines if line.startswith("c1 "))
+    assert "  loading 3.1/7.0 GiB  " in row and "ranker-v42@2" in row
+    assert "  fetching 0.5/7.0 GiB  " in next(line for line in lines if line.startswith("c2 "))

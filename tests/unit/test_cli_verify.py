@@ -181,3 +181,63 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     assert proc.returncode == 3
     assert proc.stderr.strip().startswith("rejected: digest: ")
     assert "Traceback" not in proc.stderr
+
+
+def run_on_a_terminal(*argv: str) -> tuple[int, str, str]:
+    """The installed ``rollout`` with stderr on a pseudo-terminal (as in a user's shell) and
+    stdout piped: what the terminal showed, and stdout."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rollout"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            shown += chunk
+        elif proc.poll() is not None:
+            break
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    code = proc.wait(timeout=120)
+    os.close(leader)
+    return code, shown.decode(errors="replace"), out
+
+
+def test_pack_and_verify_draw_a_progress_bar_on_a_terminal_and_none_in_json_mode(tmp_path):
+    # ~34 MB of weights: a few refreshes of the bar, then one JSON line on stdout.
+    big = artifacts.large_artifact(tmp_path / "store")
+    src = tmp_path / "src"
+    from app.demo_artifacts import write_ranker_source
+
+    write_ranker_source(src, seed=4, params={"hidden_dim": 1024, "num_layers": 8})
+    code, shown, out = run_on_a_terminal(
+        "pack", str(src), "--model", "ranker", "--artifact-id", "ranker-bar",
+        "--feature-schema", "ranker-features-v3", "--out", str(tmp_path / "packed"),
+    )  # fmt: skip
+    assert code == 0, shown
+    assert "copy + hash" in shown and "MiB" in shown, shown
+    assert json.loads(out)["artifact_id"] == "ranker-bar"
+
+    argv = ("verify", big.manifest_uri, "--sha256", big.manifest_sha256, "--load")
+    code, shown, out = run_on_a_terminal(*argv, "--cache", str(tmp_path / "c1"))
+    assert code == 0, shown
+    assert "fetch + verify" in shown and "load" in shown and "MiB" in shown, shown
+    assert json.loads(out)["loaded"]["loaded_bytes"] > 25 << 20
+
+    code, shown, out = run_on_a_terminal(*argv, "--cache", str(tmp_path / "c2"), "--json")
+    assert code == 0 and shown == "", shown
+    assert json.loads(out)["artifact_id"] == big.artifact_id

@@ -59,3 +59,46 @@ def test_unknown_figures_say_unknown() -> None:
     assert in_place_fits(canary, unknown, V42) is None
     assert in_place_fits(canary, [], V42) is None
     assert in_place_fits(canary, [report("ranker-v41")], V42) is None  # no figures at all
+
+
+# --------------------------------------------------------------------------- cgroup limits
+
+
+def cgroup_tree(tmp_path, v2: bool, limit: str, usage: int, inactive: int = 0):
+    from pathlib import Path
+
+    root = Path(tmp_path)
+    root.mkdir(parents=True)
+    proc = root / "proc-self-cgroup"
+    mount = root / "fs"
+    if v2:
+        proc.write_text("0::/kubepods/pod1/ctr\n")
+        base = mount / "kubepods/pod1/ctr"
+        base.mkdir(parents=True)
+        (base / "memory.max").write_text(limit + "\n")
+        (base / "memory.current").write_text(f"{usage}\n")
+    else:
+        proc.write_text("12:cpu,cpuacct:/docker/x\n9:memory:/docker/x\n")
+        base = mount / "memory/docker/x"
+        base.mkdir(parents=True)
+        (base / "memory.limit_in_bytes").write_text(limit + "\n")
+        (base / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    (base / "memory.stat").write_text(f"anon 1\ninactive_file {inactive}\nactive_file 5\n")
+    return proc, mount
+
+
+def test_the_host_budget_counts_a_cgroup_limit(tmp_path) -> None:
+    from app.memory import cgroup_headroom
+
+    gib = 1 << 30
+    proc, mount = cgroup_tree(tmp_path / "v2", True, str(12 * gib), 9 * gib, inactive=gib)
+    assert cgroup_headroom(proc, mount) == 4 * gib  # 12 - 9 + reclaimable page cache
+    proc, mount = cgroup_tree(tmp_path / "v1", False, str(8 * gib), 7 * gib)
+    assert cgroup_headroom(proc, mount) == gib
+    proc, mount = cgroup_tree(tmp_path / "nolimit", True, "max", 9 * gib)
+    assert cgroup_headroom(proc, mount) is None
+    proc, mount = cgroup_tree(tmp_path / "v1-nolimit", False, str((1 << 63) - 4096), gib)
+    assert cgroup_headroom(proc, mount) is None
+    proc, mount = cgroup_tree(tmp_path / "over", True, str(gib), 2 * gib)
+    assert cgroup_headroom(proc, mount) == 0
+    assert cgroup_headroom(tmp_path / "absent", mount) is None

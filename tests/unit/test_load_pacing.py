@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.cache import ArtifactCache
+from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
 from app.loader import load_verified, representative_batches
 from tests.artifacts import pack_ranker
@@ -111,7 +112,9 @@ def test_download_verified_reads_and_dry_run_all_reach_pacing_points(tmp_path: P
     cache = ArtifactCache(tmp_path / "cache")
 
     downloading = CountingPacer()
-    artifact = cache.fetch_verified(packed.manifest_uri, packed.manifest_sha256, pacer=downloading)
+    artifact = cache.fetch_verified(
+        packed.manifest_uri, packed.manifest_sha256, control=LoadControl(downloading)
+    )
     weights = max(f.bytes for f in artifact.manifest.files)
     assert weights > 16 << 20
     # The parallel file downloads run in their own threads, each reaching its own points.
@@ -120,19 +123,25 @@ def test_download_verified_reads_and_dry_run_all_reach_pacing_points(tmp_path: P
     me = threading.current_thread().name
     reading = CountingPacer()
     weights_file = max(artifact.manifest.files, key=lambda f: f.bytes).path
-    artifact.read_verified(weights_file, reading)
+    artifact.read_verified(weights_file, LoadControl(reading))
     assert reading.points[me] >= weights // (4 << 20)
 
-    model = load_verified(artifact, pacer=CountingPacer())
+    streaming = CountingPacer()
+    model = load_verified(artifact, control=LoadControl(streaming))
     try:
+        # The streamed weights: a point per 8 MB chunk, then the dry run's forwards.
+        assert streaming.points[me] >= weights // (8 << 20)
         forwards = CountingPacer()
-        model.dry_run(forwards)
+        model.dry_run(LoadControl(forwards))
         assert forwards.points[me] >= len(representative_batches(model.normalization))
     finally:
         model.close()
 
     rechecking = CountingPacer()
     cache.fetch_verified(
-        packed.manifest_uri, packed.manifest_sha256, recheck="digests", pacer=rechecking
+        packed.manifest_uri,
+        packed.manifest_sha256,
+        recheck="digests",
+        control=LoadControl(rechecking),
     )
     assert sum(rechecking.points.values()) >= weights // (8 << 20)

@@ -17,6 +17,7 @@ import pytest
 
 from app.contracts import MAX_TEXT, ReplicaPhase, Target
 from app.errors import ArtifactRejected, FetchFailed
+from app.load_control import LoadControl
 from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
@@ -62,10 +63,20 @@ class GatedLoader:
     def gate(self, artifact: str) -> threading.Event:
         return self.gates.setdefault(artifact, threading.Event())
 
-    def load(self, t: Target) -> Loaded:
+    checkpointing: bool = False  # wait at checkpoints, as real loads do between chunks
+
+    def load(self, t: Target, control: LoadControl | None = None) -> Loaded:
         self.started.append(t)
         if t.artifact_id in self.gates:
-            assert self.gates[t.artifact_id].wait(10), "gate never opened"
+            gate = self.gates[t.artifact_id]
+            if self.checkpointing:
+                assert control is not None
+                deadline = time.monotonic() + 10
+                while not gate.wait(0.01):
+                    control.checkpoint()
+                    assert time.monotonic() < deadline, "gate never opened"
+            else:
+                assert gate.wait(10), "gate never opened"
         script = self.failures.get(t.artifact_id)
         if script:
             raise script.pop(0)
@@ -174,6 +185,70 @@ def test_slow_candidate_overtaken_by_a_newer_target_never_installs(
     assert loader.discarded == [target(2, "slow")]
     snap = rec.snapshot()
     assert snap.actual == target(3, "a") and snap.discarded == (2,)
+    rec.close()
+
+
+def test_a_newer_target_cancels_a_load_at_its_next_checkpoint(
+    events: list[ReconcileEvent],
+) -> None:
+    # A multi-GB load superseded by a rollback must not run to its end to be discarded: it
+    # stops at its next checkpoint (the gate of "slow" is never opened), without an error.
+    loader = GatedLoader(checkpointing=True)
+    loader.gate("slow")
+    rec = make(loader, events)
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "slow"))
+    wait_until(
+        lambda: loader.started[-1].artifact_id == "slow", WAIT_S, "slow load started", every=0.005
+    )
+    assert rec.submit(target(3, "a")) is Decision.ACCEPTED
+    assert rec.wait_settled(5), "the cancelled load never stopped"
+    snap = rec.snapshot()
+    assert snap.actual == target(3, "a") and snap.phase is ReplicaPhase.READY
+    assert snap.last_error is None and snap.progress is None
+    assert target(2, "slow") not in loader.installed
+    kinds = [(e.kind, e.target.revision if e.target else None) for e in events]
+    assert ("cancelled", 2) in kinds and ("failed", 2) not in kinds
+    rec.close()
+
+
+def test_clear_cancels_a_load_in_flight_and_goes_idle() -> None:
+    loader = GatedLoader(checkpointing=True)
+    loader.gate("b")
+    rec = make(loader, [])
+    rec.load_blocking(target(1, "a"))
+    rec.submit(target(2, "b"))
+    wait_until(lambda: loader.started[-1].artifact_id == "b", WAIT_S, "b loading", every=0.005)
+    assert rec.clear()
+    assert rec.wait_settled(5), "the cancelled load never stopped"
+    snap = rec.snapshot()
+    assert snap.actual is None and snap.phase is ReplicaPhase.IDLE and snap.last_error is None
+    assert loader.installed == [target(1, "a")]
+    rec.close()
+
+
+def test_a_load_in_progress_shows_its_progress() -> None:
+    seen: list[LoadControl] = []
+    release = threading.Event()
+
+    class Counting(GatedLoader):
+        def load(self, t: Target, control: LoadControl | None = None) -> Loaded:
+            assert control is not None
+            seen.append(control)
+            control.begin("fetch", 1000)
+            control.advance("fetch", 250)
+            assert release.wait(10)
+            return Loaded(t)
+
+    rec = make(Counting(), [])
+    rec.submit(target(1, "a"))
+    wait_until(lambda: rec.snapshot().progress is not None, WAIT_S, "progress", every=0.005)
+    progress = rec.snapshot().progress
+    assert progress is not None
+    assert (progress.stage, progress.done_bytes, progress.total_bytes) == ("fetch", 250, 1000)
+    release.set()
+    assert rec.wait_settled(5)
+    assert rec.snapshot().progress is None
     rec.close()
 
 
@@ -437,10 +512,10 @@ class PriorityRecordingLoader(GatedLoader):
 
     seen: list[tuple[int, int]] = field(default_factory=list)
 
-    def load(self, t: Target) -> Loaded:
+    def load(self, t: Target, control: LoadControl | None = None) -> Loaded:
         tid = threading.get_native_id()
         self.seen.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
-        return super().load(t)
+        return super().load(t, control)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")

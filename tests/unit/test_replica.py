@@ -25,6 +25,7 @@ from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
 from app.replica import RankerReplica, ReplicaNotReady
+from tests.artifacts import pack_ranker
 
 TIMEOUT = 30.0
 
@@ -175,6 +176,46 @@ def test_background_loads_are_paced_and_the_startup_load_is_not(
         lambda: replica.report().actual_revision == 7, TIMEOUT, "revision 7 installed", every=0.01
     )
     assert replica.report().timings.paced == 0.0  # a full share: unpaced
+
+
+def test_a_long_load_reports_its_progress_and_a_newer_target_cancels_it(
+    serving: RankerReplica, tmp_path: Path, demo
+) -> None:
+    # ~200 MiB of weights at a tenth of a core: long enough to watch, and to cancel.
+    wide = pack_ranker(
+        tmp_path / "store",
+        artifact_id="ranker-wide",
+        params={"hidden_dim": 4096, "num_layers": 4, "context_dim": 16},
+    )
+    cfg = config(tmp_path, loading={"cpu_share": 0.1})
+    serving.reconfigure({**cfg, "target": target(wide, 6)})
+    seen: list[Any] = []
+
+    def moved() -> bool:
+        progress = serving.report().progress
+        if progress is not None and progress.done_bytes > 0:
+            seen.append(progress)
+        return len({(p.stage, p.done_bytes) for p in seen}) >= 3
+
+    wait_until(moved, TIMEOUT, "progress of the wide load", every=0.02)
+    last = seen[-1]
+    assert (last.revision, last.artifact_id) == (6, "ranker-wide")
+    assert last.stage in ("fetch", "load") and 0 < last.done_bytes < last.total_bytes
+    assert last.total_bytes >= wide_bytes(wide)
+    assert serving.rank([request()]).model.artifact_id == "ranker-v42"  # still serving
+
+    serving.reconfigure({**cfg, "target": target(demo["ranker-v41"], 7)})
+    wait_until(
+        lambda: serving.report().actual_revision == 7, TIMEOUT, "revision 7 installed", every=0.01
+    )
+    report = serving.report()
+    assert report.last_error is None and report.progress is None
+    # Stopped at a checkpoint, not loaded to its end and then dropped.
+    assert 6 not in report.discarded_revisions
+
+
+def wide_bytes(packed: PackResult) -> int:
+    return (packed.out_dir / "weights.safetensors").stat().st_size
 
 
 # --------------------------------------------------------------------------- cleared target
