@@ -39,11 +39,11 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from app.artifact_store import ArtifactSource, check_source_uri
 from app.contracts import FetchConfig, SignatureTrust
@@ -76,6 +76,18 @@ CACHE_FORMAT_VERSION: Final = 1
 # Lock and lease files, directories: opened without following a symlink planted in their place.
 _LOCK_FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class FetchSink(Protocol):
+    """Takes the bytes of a cold fetch as they are hashed on their way into the cache (a
+    loader that builds its model from them, so the bytes are read and hashed once in all).
+    ``start`` is called once the manifest is verified, before any file is read, and may
+    refuse (ArtifactRejected: the fetch stops, nothing is cached); it returns a consumer per
+    file path it wants. A consumer gets each chunk in file order, after it was hashed, and
+    copies what it keeps (the buffer is reused); what it built counts only if the fetch
+    returns: a digest that does not match raises. A hit calls nothing."""
+
+    def start(self, manifest: Manifest) -> Mapping[str, Callable[[memoryview], None]]: ...
 
 
 @dataclass(frozen=True)
@@ -551,6 +563,7 @@ class ArtifactCache:
         *,
         recheck: Literal["sizes", "digests"] = "sizes",
         control: LoadControl | None = None,
+        sink: FetchSink | None = None,
     ) -> VerifiedArtifact:
         """Return the verified entry for ``manifest_sha256``, fetching it if needed.
 
@@ -572,7 +585,7 @@ class ArtifactCache:
             hit = self._open_entry(digest, recheck, control, manifest_uri, holding_lock=True)
             if hit is not None:
                 return hit
-            return self._download(manifest_uri, digest, control)
+            return self._download(manifest_uri, digest, control, sink)
 
     def set_aside(self, manifest_sha256: str) -> bool:
         """Unpublish an entry whose bytes were found changed after they were verified (by a
@@ -875,7 +888,11 @@ class ArtifactCache:
             )
 
     def _download(
-        self, manifest_uri: str, digest: str, control: LoadControl | None = None
+        self,
+        manifest_uri: str,
+        digest: str,
+        control: LoadControl | None = None,
+        sink: FetchSink | None = None,
     ) -> VerifiedArtifact:
         started = time.monotonic()
         source = ArtifactSource(manifest_uri, self.fetch)
@@ -890,6 +907,7 @@ class ArtifactCache:
                 signature = self._trust.verify(manifest_bytes, manifest, signatures)
             self._check_limits(manifest)
             self._check_listing(source, manifest)
+            consumers = dict(sink.start(manifest)) if sink is not None else {}
         except ArtifactRejected as exc:
             exc.artifact_id = manifest.artifact_id
             raise
@@ -902,7 +920,9 @@ class ArtifactCache:
         try:
             self._run_parallel(
                 manifest.files,
-                lambda item: self._copy_verified(source, item, tmp / item.path, control),
+                lambda item: self._copy_verified(
+                    source, item, tmp / item.path, control, consumers.get(item.path)
+                ),
             )
             fetched = time.monotonic()
             self._write_synced(tmp / MANIFEST_NAME, manifest_bytes)
@@ -977,10 +997,15 @@ class ArtifactCache:
 
     @staticmethod
     def _copy_verified(
-        source: ArtifactSource, item: FileEntry, dest: Path, control: LoadControl | None = None
+        source: ArtifactSource,
+        item: FileEntry,
+        dest: Path,
+        control: LoadControl | None = None,
+        consume: Callable[[memoryview], None] | None = None,
     ) -> None:
         """Stream one file into ``dest`` while hashing; the write of chunk i overlaps the read
-        and hash of chunk i+1 (two buffers, one writer thread)."""
+        and hash of chunk i+1 (two buffers, one writer thread). ``consume`` gets each chunk
+        once it is hashed (a FetchSink's consumer), before its buffer is filled again."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         total = 0
@@ -1010,6 +1035,8 @@ class ArtifactCache:
                         )
                     view = memoryview(buf)[:n]
                     digest.update(view)
+                    if consume is not None:
+                        consume(view)
                     advance(control, "fetch", n)
                     checkpoint(control)
                     if pending is not None:

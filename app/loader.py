@@ -22,7 +22,7 @@ import math
 import struct
 import time
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -50,7 +50,7 @@ from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
 from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
 
 if TYPE_CHECKING:
-    from app.cache import VerifiedArtifact, VerifiedStream
+    from app.cache import VerifiedArtifact
 
 WEIGHTS_FILES: Final = {"safetensors": "weights.safetensors", "pytorch-state-dict": "weights.pt"}
 PRECISIONS: Final = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -67,13 +67,11 @@ MAX_ZIP_RECORDS: Final = 4096
 ZIP_LOCAL_HEADER_SIGNATURE: Final = b"PK\x03\x04"
 ZIP_LOCAL_HEADER_BYTES: Final = 30
 ZIP_FLAG_ENCRYPTED: Final = 0x1
-# Bytes read (and hashed) per call when they go straight into a tensor: one checkpoint each,
+# Bytes read (and hashed) per call on their way into tensors: one checkpoint each,
 # so a cancelled load stops within this much. The cache reads in chunks of the same size.
 CHUNK_BYTES: Final = 8 << 20
-# Each of the two staging buffers bytes pass through when they cannot go straight into their
-# tensor (a GPU, or an upcast on the CPU): the host memory a GPU load takes beside the file's
-# page cache, whatever the model's size.
-STAGING_CHUNK_BYTES: Final = 16 << 20
+# A fetch reads each file into two such buffers (app.cache), a cache hit into one.
+READ_BUFFERS: Final = 2
 
 
 def default_device() -> torch.device:
@@ -189,98 +187,148 @@ def _deserialize_torch(data: bytes, model: RankerMLP, precision: str) -> dict[st
     return state
 
 
-class _Staging:
-    """Two bounded host buffers that bytes pass through on their way into tensors that
-    cannot take them directly (another device, another dtype). Pinned for a GPU, so the copy
-    to the device runs asynchronously while the next chunk is read and hashed; a buffer is
-    reused only once the copy out of it has finished (its CUDA event)."""
+class SafetensorsAssembler:
+    """Builds the state dict of ``weights.safetensors`` from its bytes fed in file order, in
+    chunks of any size: from the cache's download as it hashes them (a cold fetch), or from
+    a cache entry read once (a hit). Nothing holds the file: the 8-byte length and the header
+    are kept, checked against the architecture, then every tensor is allocated where it will
+    live (``device``, the compute dtype) and filled as its bytes pass; padding between
+    tensors is passed over (the reader hashes it like every other byte).
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.nbytes = nbytes
-        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in "ab"]
-        self._events: list[Any] = [None, None]
-        self._next = 0
-        self._cuda = pin
+    The bytes are not trusted yet when they arrive: the caller's digest check over the same
+    bytes decides, and on a mismatch everything built is dropped. So a malformed header is
+    not raised at once: the error is kept, the rest is ignored, and ``state()`` raises it
+    only once the caller has found the bytes to be the verified ones (a byte flipped in
+    transit is then a retryable ``digest``, not a final ``load``)."""
 
-    def fill(self, stream: VerifiedStream, nbytes: int) -> tuple[torch.Tensor, int]:
-        """The next ``nbytes`` of ``stream`` in a free buffer (a view of it), and its slot."""
-        slot = self._next
-        self._next ^= 1
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()
-            self._events[slot] = None
-        view = self._buffers[slot][:nbytes]
-        stream.readinto(memoryview(view.numpy()))
-        return view, slot
+    def __init__(
+        self,
+        file_bytes: int,
+        model: RankerMLP,
+        precision: str,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self._size = file_bytes
+        self._model = model
+        self._precision = precision
+        self._stored = PRECISIONS[precision]
+        self._device = device
+        self._compute = compute_dtype
+        # Same dtype on the CPU: bytes are copied straight into the tensor's memory.
+        self._direct = device.type == "cpu" and self._stored == compute_dtype
+        self._preamble = bytearray()
+        self._header_len: int | None = None
+        self._header_read = False  # the header was checked and the tensors allocated
+        self._spans: list[tuple[int, int, str]] = []
+        self._next_span = 0
+        self._at = 0  # payload bytes passed so far
+        self._payload = 0
+        self._state: dict[str, torch.Tensor] = {}
+        self._carry = bytearray()  # the start of an element a chunk boundary split
+        self._elements_done = 0  # of the current tensor (converted path)
+        self._error: ArtifactRejected | None = None
+        self.fed = 0
 
-    def copied(self, slot: int) -> None:
-        """A copy out of ``slot`` was queued: remember when it is done."""
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
+    def feed(self, chunk: memoryview) -> None:
+        """The next bytes of the file (any size). Never raises for what the bytes hold."""
+        self.fed += len(chunk)
+        if self._error is not None:
+            return
+        try:
+            self._feed(chunk.cast("B") if chunk.format != "B" else chunk)
+        except ArtifactRejected as exc:
+            self._error = exc
+            self._state = {}  # the tensors go now, not when the reader is done
 
-    def drain(self) -> None:
-        for event in self._events:
-            if event is not None:
-                event.synchronize()
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors, once all bytes were fed and found to be the verified ones."""
+        if self._error is not None:
+            raise self._error
+        name = WEIGHTS_FILES["safetensors"]
+        if self.fed != self._size or not self._header_read:
+            raise _unreadable(name, f"{self.fed} of {self._size} bytes were read")
+        if self._next_span != len(self._spans) or self._carry:
+            raise _unreadable(name, "the file ended inside a tensor")
+        state, self._state = self._state, {}
+        return state
 
+    def _feed(self, chunk: memoryview) -> None:
+        name = WEIGHTS_FILES["safetensors"]
+        while chunk:
+            if not self._header_read:
+                chunk = self._take_preamble(chunk, name)
+                continue
+            if self._next_span == len(self._spans):
+                self._at += len(chunk)  # padding after the last tensor
+                return
+            start, end, key = self._spans[self._next_span]
+            if self._at < start:
+                n = min(start - self._at, len(chunk))  # padding before this tensor
+            else:
+                n = min(end - self._at, len(chunk))
+                self._write(key, self._at - start, chunk[:n])
+            self._at += n
+            chunk = chunk[n:]
+            if self._at == end:
+                self._next_span += 1
+                self._elements_done = 0
 
-def _stream_safetensors(
-    stream: VerifiedStream,
-    model: RankerMLP,
-    precision: str,
-    device: torch.device,
-    compute_dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """One pass over ``weights.safetensors``: the header is read and checked against the
-    architecture first, then every tensor is allocated where it will live (``device``, the
-    compute dtype) and filled from the stream chunk by chunk, each chunk hashed as it is read.
-    Host memory: the tensors (on CPU) plus at most two staging chunks; nothing holds the
-    file. The result is only trusted after ``stream.finish()`` (called here): on a digest
-    mismatch everything built is dropped with the exception."""
-    name = WEIGHTS_FILES["safetensors"]
-    if stream.size < 8:
-        raise _unreadable(name, f"header: the file is {stream.size} bytes")
-    (header_len,) = struct.unpack("<Q", stream.read(8))
-    if header_len > min(stream.size - 8, MAX_SAFETENSORS_HEADER_BYTES):
-        raise _unreadable(
-            name,
-            f"header declares {header_len} bytes; the file has {stream.size - 8} after "
-            f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
-        )
-    payload = stream.size - 8 - header_len
-    spans = _check_safetensors_header(stream.read(header_len), payload, model, precision)
-    stored = PRECISIONS[precision]
-    shapes = _expected_shapes(model)
-    state = {key: torch.empty(shapes[key], dtype=compute_dtype, device=device) for key in shapes}
-    # Same dtype on the CPU: bytes go straight into the tensor's memory, no staging at all.
-    direct = device.type == "cpu" and stored == compute_dtype
-    staging = None if direct else _Staging(STAGING_CHUNK_BYTES, device)
-    at = 0
-    for start, end, key in spans:
-        if start > at:
-            stream.skip(start - at)  # padding: hashed like every other byte
-        flat = state[key].view(-1)
-        if direct:
-            target = memoryview(flat.view(torch.uint8).numpy())
-            for start in range(0, len(target), CHUNK_BYTES):
-                stream.readinto(target[start : start + CHUNK_BYTES])
-        else:
-            assert staging is not None
-            per_chunk = staging.nbytes // stored.itemsize
-            for first in range(0, flat.numel(), per_chunk):
-                count = min(per_chunk, flat.numel() - first)
-                chunk, slot = staging.fill(stream, count * stored.itemsize)
-                flat[first : first + count].copy_(chunk.view(stored), non_blocking=True)
-                staging.copied(slot)
-        at = end
-    if staging is not None:
-        staging.drain()
-    stream.finish()
-    return state
+    def _take_preamble(self, chunk: memoryview, name: str) -> memoryview:
+        wanted = 8 if self._header_len is None else 8 + self._header_len
+        n = min(wanted - len(self._preamble), len(chunk))
+        self._preamble += chunk[:n]
+        if len(self._preamble) == 8 and self._header_len is None:
+            if self._size < 8:
+                raise _unreadable(name, f"header: the file is {self._size} bytes")
+            (header_len,) = struct.unpack("<Q", self._preamble)
+            if header_len > min(self._size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+                raise _unreadable(
+                    name,
+                    f"header declares {header_len} bytes; the file has {self._size - 8} after "
+                    f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
+                )
+            self._header_len = header_len
+        if self._header_len is not None and len(self._preamble) == 8 + self._header_len:
+            self._payload = self._size - 8 - self._header_len
+            self._spans = _check_safetensors_header(
+                bytes(self._preamble[8:]), self._payload, self._model, self._precision
+            )
+            self._preamble = bytearray()
+            self._header_read = True
+            shapes = _expected_shapes(self._model)
+            self._state = {
+                key: torch.empty(shapes[key], dtype=self._compute, device=self._device)
+                for key in shapes
+            }
+        return chunk[n:]
+
+    def _write(self, key: str, offset: int, piece: memoryview) -> None:
+        flat = self._state[key].view(-1)
+        if self._direct:
+            memoryview(flat.view(torch.uint8).numpy())[offset : offset + len(piece)] = piece
+            return
+        itemsize = self._stored.itemsize
+        if self._carry:  # complete the element a chunk boundary split
+            n = min(itemsize - len(self._carry), len(piece))
+            self._carry += piece[:n]
+            piece = piece[n:]
+            if len(self._carry) < itemsize:
+                return
+            self._convert(flat, memoryview(self._carry))
+            self._carry = bytearray()
+        whole = len(piece) - len(piece) % itemsize
+        if whole:
+            self._convert(flat, piece[:whole])
+        self._carry += piece[whole:]
+
+    def _convert(self, flat: torch.Tensor, raw: memoryview) -> None:
+        """Whole elements of the stored dtype into the next places of ``flat`` (upcast on
+        the CPU, or a copy to the GPU)."""
+        count = len(raw) // self._stored.itemsize
+        source = torch.frombuffer(raw, dtype=self._stored)
+        flat[self._elements_done : self._elements_done + count].copy_(source)
+        self._elements_done += count
 
 
 def _load_torch(data: bytes, map_location: str) -> Any:
@@ -648,6 +696,68 @@ def representative_batches(norm: Normalization, seed: int = 20261008) -> list[li
     return [single, mixed, every_context]
 
 
+class CandidateLoad:
+    """One candidate's load, from its manifest to a model: what the service can serve and
+    the memory budget are checked before a single weights byte is read (``start``), then
+    the weights are assembled as they pass, once.
+
+    It is the cache's fetch sink (``app.cache.FetchSink``): on a cold fetch the cache calls
+    ``start`` once the manifest is verified and feeds the weights file's bytes as it hashes
+    them on their way into the cache, so they are read and hashed once in all; on a hit
+    nothing is fed, and ``load_verified`` reads the entry once instead."""
+
+    def __init__(
+        self,
+        *,
+        device: torch.device | None = None,
+        budget: MemoryBudget | None = None,
+        resident_bytes: int = 0,
+        expect: Callable[[Manifest], None] | None = None,
+    ) -> None:
+        self.device = device or default_device()
+        self.expect = expect  # the caller's own checks of the manifest, run first
+        self.budget = budget
+        self.resident_bytes = resident_bytes
+        self.manifest: Manifest | None = None
+        self.memory: MemoryEstimate | None = None
+        self.compute_dtype = torch.float32
+        self.model: RankerMLP | None = None
+        self.assembler: SafetensorsAssembler | None = None
+
+    def start(self, manifest: Manifest) -> dict[str, Callable[[memoryview], None]]:
+        """Checks, budget, the model on the meta device; the consumer of the weights' bytes
+        (none for the pickle format, which needs the whole file)."""
+        if self.expect is not None:
+            self.expect(manifest)
+        check_compatibility(manifest)
+        params = ranker_params(manifest.architecture)
+        self.compute_dtype = compute_dtype_for(manifest.precision, self.device)
+        if self.budget is not None:
+            self.memory = _memory_estimate(
+                manifest, params, self.device, self.compute_dtype, self.budget,
+                self.resident_bytes,
+            )  # fmt: skip
+            check_budget(self.memory)
+        self.manifest = manifest
+        self.model = build_ranker(manifest.architecture, device="meta")
+        if manifest.runtime != "safetensors":
+            return {}
+        weights = WEIGHTS_FILES["safetensors"]
+        self.assembler = SafetensorsAssembler(
+            manifest.file(weights).bytes,
+            self.model,
+            manifest.precision,
+            self.device,
+            self.compute_dtype,
+        )
+        return {weights: self.assembler.feed}
+
+    @property
+    def fed(self) -> bool:
+        """The weights arrived with the fetch (all of them: the fetch verified them)."""
+        return self.assembler is not None and self.assembler.fed > 0
+
+
 def _memory_estimate(
     manifest: Manifest,
     params: RankerParams,
@@ -661,15 +771,13 @@ def _memory_estimate(
     weight_bytes = n * compute_dtype.itemsize
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if manifest.runtime == "safetensors":
-        # Streamed (_stream_safetensors): tensors are allocated where they live and filled
-        # chunk by chunk. On the CPU the bytes go straight in, or through the two staging
-        # buffers when they are upcast; on a GPU a converting copy takes one chunk of the
-        # device beside the (host-side, pinned) staging.
+        # Streamed (SafetensorsAssembler): tensors are allocated where they live and filled
+        # as the bytes pass, so beside them only the reader's chunk buffers (bounded, on the
+        # host) and, on a GPU, a converting copy's chunk of the device.
         if device.type == "cpu":
-            temporaries = 0 if stored == compute_dtype else 2 * STAGING_CHUNK_BYTES
+            temporaries = READ_BUFFERS * CHUNK_BYTES
         else:
-            temporaries = 0 if stored == compute_dtype else STAGING_CHUNK_BYTES
-            temporaries = temporaries * compute_dtype.itemsize // stored.itemsize
+            temporaries = 0 if stored == compute_dtype else CHUNK_BYTES
     elif device.type == "cpu":
         # The verified file bytes, plus the deserialized tensors when they are upcast. The
         # file bounds what deserializing costs: compressed records are refused and declared
@@ -691,6 +799,27 @@ def _memory_estimate(
     )
 
 
+def _read_into(
+    artifact: VerifiedArtifact,
+    rel: str,
+    assembler: SafetensorsAssembler,
+    device: torch.device,
+    control: LoadControl | None,
+) -> None:
+    """The cache entry's ``rel`` read once, chunk by chunk, each chunk hashed as it is read
+    (app.cache.VerifiedStream) and handed to ``assembler``; the digest decides at the end."""
+    # Pinned for a GPU: the copy to the device is a DMA from it. The assembler has copied a
+    # chunk out before the next is read into the same buffer.
+    buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    whole = memoryview(buffer.numpy())
+    with artifact.open_stream(rel, control) as stream:
+        while stream.position < stream.size:
+            view = whole[: min(CHUNK_BYTES, stream.size - stream.position)]
+            stream.readinto(view)
+            assembler.feed(view)
+        stream.finish()
+
+
 def load_verified(
     artifact: VerifiedArtifact,
     *,
@@ -698,46 +827,43 @@ def load_verified(
     budget: MemoryBudget | None = None,
     resident_bytes: int = 0,
     control: LoadControl | None = None,
+    prepared: CandidateLoad | None = None,
 ) -> LoadedModel:
     """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure.
     ``control`` paces, counts (stage ``load``) and can cancel a background load
-    (app.load_control): each chunk read and hashed, each dry-run forward."""
+    (app.load_control): each chunk read and hashed, each dry-run forward. ``prepared``: the
+    load that was the fetch's sink (its checks done; its weights fed if the fetch was cold);
+    without it one is made here, with ``device``, ``budget`` and ``resident_bytes``."""
     manifest = artifact.manifest
     aid = manifest.artifact_id
-    device = device or default_device()
     t0 = time.perf_counter()
     try:
-        check_compatibility(manifest)
-        params = ranker_params(manifest.architecture)
-        compute_dtype = compute_dtype_for(manifest.precision, device)
-        memory = None
-        if budget is not None:
-            memory = _memory_estimate(
-                manifest, params, device, compute_dtype, budget, resident_bytes
-            )
-            check_budget(memory)
-        weights_file = WEIGHTS_FILES[manifest.runtime]
-        begin(
-            control,
-            "load",
-            sum(manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE))
-            + manifest.file(weights_file).bytes,
+        load = prepared or CandidateLoad(
+            device=device, budget=budget, resident_bytes=resident_bytes
         )
+        if load.manifest is None:
+            load.start(manifest)
+        elif load.manifest != manifest:
+            raise ValueError("the prepared load is for another manifest")
+        model, device, compute_dtype = load.model, load.device, load.compute_dtype
+        assert model is not None
+        weights_file = WEIGHTS_FILES[manifest.runtime]
+        small = sum(manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE))
+        weights_bytes = manifest.file(weights_file).bytes
+        read_here = small + (0 if load.fed else weights_bytes)  # the fetch fed the rest
+        begin(control, "load", read_here)
         normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, control))
         labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, control))
-        model = build_ranker(manifest.architecture, device="meta")
-        if manifest.runtime == "safetensors":
-            with artifact.open_stream(weights_file, control) as stream:
-                state = _stream_safetensors(
-                    stream, model, manifest.precision, device, compute_dtype
-                )
+        if load.assembler is not None:
+            if read_here > small:
+                _read_into(artifact, weights_file, load.assembler, device, control)
+            state = load.assembler.state()
         else:
             state = _deserialize_torch(
                 artifact.read_verified(weights_file, control), model, manifest.precision
             )
-        checkpoint(control)
-        if manifest.runtime != "safetensors":
             _check_state(state, model, manifest.precision)
+        checkpoint(control)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:
@@ -752,8 +878,9 @@ def load_verified(
             compute_dtype=compute_dtype,
             normalization=normalization,
             labels=labels,
-            memory=memory,
+            memory=load.memory,
         )
+        load.model = None  # the loaded model owns it now
         t1 = time.perf_counter()
         try:
             loaded.dry_run(control)
@@ -764,9 +891,7 @@ def load_verified(
             loaded.close()
             raise ArtifactRejected("dry_run", f"{type(exc).__name__}: {exc}") from None
         loaded.timings.update(load=t1 - t0, dry_run=time.perf_counter() - t1)
-        loaded.loaded_bytes = sum(
-            manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE, weights_file)
-        )
+        loaded.loaded_bytes = read_here
         return loaded
     except ArtifactRejected as exc:
         if exc.artifact_id is None:

@@ -25,7 +25,8 @@ from app.features import FEATURE_SCHEMA
 from app.generations import Generation, GenerationHolder
 from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
-from app.loader import LoadedModel, load_verified
+from app.loader import CandidateLoad, LoadedModel, load_verified
+from app.manifest import Manifest
 from app.memory import MemoryBudget
 
 # What a loader reading a verified cache entry finds when the entry's bytes changed since.
@@ -50,6 +51,31 @@ def close_model(model: Any, lease: Lease | None) -> None:
     finally:
         if lease is not None:
             lease.release()
+
+
+def check_manifest_for(target: Target, loading: LoadingConfig, manifest: Manifest) -> None:
+    """The manifest is the one the target names, for the model this deployment serves."""
+    if manifest.artifact_id != target.artifact_id:
+        raise ArtifactRejected(
+            "manifest_digest",
+            f"manifest names artifact {manifest.artifact_id!r}, the target "
+            f"says {target.artifact_id!r}",
+            artifact_id=target.artifact_id,
+        )
+    if manifest.model != loading.model:
+        raise ArtifactRejected(
+            "schema",
+            f"manifest is for model {manifest.model!r}; this deployment serves "
+            f"{loading.model!r} (loading.model)",
+            artifact_id=target.artifact_id,
+        )
+    if manifest.feature_schema != target.feature_schema:
+        raise ArtifactRejected(
+            "schema",
+            f"manifest feature_schema {manifest.feature_schema!r} differs "
+            f"from the target's {target.feature_schema!r}",
+            artifact_id=target.artifact_id,
+        )
 
 
 class ModelLoader:
@@ -105,41 +131,23 @@ class ModelLoader:
             control.pacer = LoadPacer(share)  # a share of 1 never pauses
         lease = cache.lease(target.manifest_sha256)
         artifact_read = False  # the cache handed out a verified entry, now being read
+        current = self._holder.current
+        resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
+        # The fetch's sink: a cold fetch feeds the weights into the model as it hashes them
+        # (read and hashed once in all); the runtime, schema and budget are checked before
+        # a byte of them is fetched.
+        prepared = CandidateLoad(
+            device=self._device,
+            budget=self._budget(),
+            resident_bytes=resident,
+            expect=lambda manifest: check_manifest_for(target, loading, manifest),
+        )
         try:
             artifact = cache.fetch_verified(
-                target.manifest_uri, target.manifest_sha256, control=control
+                target.manifest_uri, target.manifest_sha256, control=control, sink=prepared
             )
-            if artifact.manifest.artifact_id != target.artifact_id:
-                raise ArtifactRejected(
-                    "manifest_digest",
-                    f"manifest names artifact {artifact.manifest.artifact_id!r}, the target "
-                    f"says {target.artifact_id!r}",
-                    artifact_id=target.artifact_id,
-                )
-            if artifact.manifest.model != loading.model:
-                raise ArtifactRejected(
-                    "schema",
-                    f"manifest is for model {artifact.manifest.model!r}; this deployment serves "
-                    f"{loading.model!r} (loading.model)",
-                    artifact_id=target.artifact_id,
-                )
-            if artifact.manifest.feature_schema != target.feature_schema:
-                raise ArtifactRejected(
-                    "schema",
-                    f"manifest feature_schema {artifact.manifest.feature_schema!r} differs "
-                    f"from the target's {target.feature_schema!r}",
-                    artifact_id=target.artifact_id,
-                )
-            current = self._holder.current
-            resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
             artifact_read = True
-            model = load_verified(
-                artifact,
-                device=self._device,
-                budget=self._budget(),
-                resident_bytes=resident,
-                control=control,
-            )
+            model = load_verified(artifact, control=control, prepared=prepared)
         except ArtifactRejected as exc:
             lease.release()
             if exc.category in CACHED_BYTES_CHANGED and artifact_read:

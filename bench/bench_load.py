@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 from app.cache import ArtifactCache
-from app.loader import WEIGHTS_FILES, load_verified
+from app.loader import WEIGHTS_FILES, CandidateLoad, load_verified
 
 def rss():
     with open("/proc/self/statm") as fh:
@@ -60,7 +60,9 @@ if mode == "cold":
 cache = ArtifactCache(cache_root)
 before = rss()
 started = time.perf_counter()
-artifact = cache.fetch_verified(uri, digest)
+# As a replica loads: a cold fetch feeds the weights into the model while it hashes them.
+prepared = CandidateLoad(device=torch.device("cpu")) if mode != "whole-file" else None
+artifact = cache.fetch_verified(uri, digest, sink=prepared)
 fetched = time.perf_counter()
 if mode == "whole-file":
     import safetensors.torch
@@ -70,7 +72,7 @@ if mode == "whole-file":
     weights = sum(t.numel() * t.element_size() for t in state.values())
     dry_run = 0.0
 else:
-    model = load_verified(artifact, device=torch.device("cpu"))
+    model = load_verified(artifact, prepared=prepared)
     weights = model.param_bytes
     dry_run = model.timings["dry_run"]
     done = time.perf_counter() - dry_run
@@ -82,7 +84,8 @@ print(json.dumps({
 
 
 def pack(root: Path, gib: float) -> PackResult:
-    layers = max(1, math.ceil(gib * (1 << 30) / (HIDDEN * HIDDEN * 4)))
+    # The first layer is narrow (the features): one more hidden layer makes up for it.
+    layers = math.ceil(gib * (1 << 30) / (HIDDEN * HIDDEN * 4)) + 1
     src = root / "src"
     write_ranker_source(
         src, seed=1, params={"hidden_dim": HIDDEN, "num_layers": layers, "context_dim": 16}

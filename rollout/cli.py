@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +40,7 @@ from app.errors import (
     NotFound,
     RolloutSystemError,
 )
-from app.manifest import Architecture, is_sha256_hex
+from app.manifest import Architecture, Manifest, is_sha256_hex
 from app.safe_text import redact_in, redact_uri, terminal_safe
 from app.signing import KEY_KINDS, KeyKind
 from rollout.cli_options import (
@@ -69,6 +69,7 @@ from rollout.status_view import render_status, standby_lines
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the cache
     from app.cache import ArtifactCache, VerifiedArtifact
+    from app.loader import CandidateLoad
     from rollout.progress_bar import Bars
 
 DEFAULT_CACHE_DIR: Final = "var/cache"
@@ -229,22 +230,29 @@ def verify(
     started = time.monotonic()
     with _redacting(manifest_uri), progress_bars(wanted(as_json)) as bars:
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
+
+        def servable(manifest: Manifest) -> None:
+            # What the manifest says decides whether the service could ever serve it: no
+            # weights need loading to refuse an unknown runtime, schema, precision or
+            # architecture.
+            if manifest.model != model:
+                raise ArtifactRejected(
+                    "schema",
+                    f"manifest is for model {manifest.model!r}; the service serves "
+                    f"{model!r} (--model)",
+                    artifact_id=manifest.artifact_id,
+                )
+            check_compatibility(manifest)
+
+        # With --load, a cold fetch feeds the weights into the model as it hashes them.
+        prepared = _candidate_load(memory_budget, servable) if load else None
         with watching(LoadControl(), bars) as control:
             artifact = cache.fetch_verified(
-                manifest_uri, manifest_sha256, recheck="digests", control=control
+                manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
             )
-        # What the manifest says decides whether the service could ever serve it: no weights
-        # need loading to refuse an unknown runtime, schema, precision or architecture.
-        if artifact.manifest.model != model:
-            raise ArtifactRejected(
-                "schema",
-                f"manifest is for model {artifact.manifest.model!r}; the service serves "
-                f"{model!r} (--model)",
-                artifact_id=artifact.manifest.artifact_id,
-            )
-        check_compatibility(artifact.manifest)
-        if load:
-            payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, memory_budget, bars)
+        servable(artifact.manifest)
+        if prepared is not None:
+            payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, prepared, bars)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),
@@ -258,22 +266,30 @@ def verify(
     emit(payload)
 
 
+def _candidate_load(
+    memory_budget: int | None, servable: Callable[[Manifest], None]
+) -> CandidateLoad:
+    from app.loader import CandidateLoad
+    from app.memory import MemoryBudget
+
+    budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
+    return CandidateLoad(budget=budget, expect=servable)
+
+
 def _load_for_verify(
     cache: ArtifactCache,
     artifact: VerifiedArtifact,
     manifest_sha256: str,
-    memory_budget: int | None,
+    prepared: CandidateLoad,
     bars: Bars,
 ) -> dict[str, Any]:
     """``verify --load``: build, strictly load and dry-run, with the load's bar."""
     from app.load_control import LoadControl
     from app.loader import load_verified
-    from app.memory import MemoryBudget
     from rollout.progress_bar import watching
 
-    budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
     with cache.lease(manifest_sha256), watching(LoadControl(), bars) as control:
-        model = load_verified(artifact, budget=budget, control=control)
+        model = load_verified(artifact, control=control, prepared=prepared)
         try:
             return {
                 "device": str(model.device),

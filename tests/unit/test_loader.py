@@ -14,6 +14,8 @@ from app.contracts import WireRequest
 from app.errors import ArtifactRejected
 from app.features import CONTEXT_FIELDS, NUM_FEATURES, LabelMapping, RankedCandidate
 from app.loader import (
+    CHUNK_BYTES,
+    READ_BUFFERS,
     WEIGHTS_FILES,
     LoadedModel,
     _check_ranking,
@@ -215,9 +217,9 @@ def test_budget_reports_the_estimate_when_it_fits(tmp_path: Path):
     est = model.memory
     assert est is not None and est.fits and est.fits_alone
     assert est.candidate_weight_bytes == model.param_bytes
-    # fp32 safetensors on the CPU stream straight into their tensors: no file copy, no
-    # staging (see test_streamed_load for what a load really holds).
-    assert est.load_temporary_bytes == 0
+    # Safetensors stream into their tensors: no copy of the file, only the reader's two
+    # chunk buffers (see test_streamed_load for what a load really holds).
+    assert est.load_temporary_bytes == READ_BUFFERS * CHUNK_BYTES
     assert est.peak_bytes == sum(
         (
             est.resident_bytes,

@@ -244,3 +244,67 @@ def test_a_one_gib_load_holds_the_weights_once(tmp_path: Path) -> None:
                 assert torch.equal(got[key], reader.get_tensor(key)), key
     finally:
         model.close()
+
+
+def test_a_cold_fetch_feeds_the_weights_into_the_model_as_it_hashes_them(
+    tmp_path: Path,
+) -> None:
+    loader, _holder, cache = loader_in(tmp_path)
+    packed = pack_ranker(tmp_path / "store", artifact_id="st-cold", params=WIDE, seed=9)
+    weights = (packed.out_dir / ST).stat().st_size
+    cold = loader.load(packed.target(1))
+    try:
+        # Fetched once (into the cache and the tensors at once); only the small files were
+        # read from the entry afterwards.
+        assert cold.timings.fetched_bytes > weights
+        assert 0 < cold.timings.loaded_bytes < 1 << 20
+        for key, tensor in library_state(packed).items():
+            assert torch.equal(served_state(cold.model)[key], tensor), key
+    finally:
+        loader.discard(cold)
+    warm = loader.load(packed.target(2))  # a hit: the entry is read once instead
+    try:
+        assert warm.timings.fetched_bytes == 0 and warm.timings.loaded_bytes > weights
+        for key, tensor in library_state(packed).items():
+            assert torch.equal(served_state(warm.model)[key], tensor), key
+    finally:
+        loader.discard(warm)
+    assert [digest for digest, _size, _used in cache.entries()] == [packed.manifest_sha256]
+
+
+def test_a_byte_of_the_header_changed_is_a_digest_failure_not_a_bad_header(
+    tmp_path: Path,
+) -> None:
+    # The header is read before the file's digest can be known. A byte flipped in transit
+    # or on disk must still read as what it is (digest, retried), not as a malformed
+    # header (load, final).
+    packed = pack_ranker(tmp_path / "store", artifact_id="st-header", seed=4)
+    flip_byte(packed, ST, offset=12)  # inside the JSON header
+    loader, holder, cache = loader_in(tmp_path)
+    with pytest.raises(ArtifactRejected) as info:
+        loader.load(packed.target(1))  # cold: through the fetch
+    assert info.value.category == "digest", info.value
+    assert holder.current is None and cache.entries() == []
+    with pytest.raises(ArtifactRejected) as info:
+        load_verified(open_verified(packed), device=CPU)  # an entry read once
+    assert info.value.category == "digest", info.value
+
+
+def test_the_budget_refuses_before_a_byte_of_weights_is_fetched(tmp_path: Path) -> None:
+    packed = pack_ranker(tmp_path / "store", artifact_id="st-big", params=WIDE, seed=2)
+    cache = ArtifactCache(tmp_path / "cache")
+    holder = GenerationHolder(cleanup=lambda generation: loader.clean_up(generation))
+    loader = ModelLoader(
+        cache=lambda: cache,
+        holder=holder,
+        budget=lambda: MemoryBudget(capacity_bytes=64 << 20, margin_bytes=0),
+        device=CPU,
+        on_installed=lambda candidate: None,
+    )
+    control = LoadControl()
+    with pytest.raises(ArtifactRejected) as info:
+        loader.load(packed.target(1), control)
+    assert info.value.category == "budget", info.value
+    assert cache.entries() == []  # nothing fetched, nothing cached
+    progress = control.progress()
+    assert progress is None or progress.done_bytes == 0
