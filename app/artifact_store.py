@@ -1,7 +1,8 @@
 """Reading artifacts from where they are stored, by URI.
 
-fsspec does the transport so that ``file://``, plain paths, ``http(s)://`` and (with the
-``s3`` extra) ``s3://`` all work the same way. This module only reads and lists; checking what
+fsspec does the transport so that ``file://``, plain paths, ``http(s)://``, ``s3://`` (s3fs)
+and ``gs://`` (gcsfs) all work the same way; object stores are read in parallel ranges that
+are retried on their own (``_RangedReader``). This module only reads and lists; checking what
 was read is the cache's job (app/cache.py).
 
 What a failure is, whatever the store:
@@ -13,7 +14,7 @@ What a failure is, whatever the store:
 - a file that is not there (404, ENOENT): ``ArtifactRejected("missing")``;
 - a store that cannot be read now (connection refused, DNS, a connect or read timeout, a 5xx):
   ``FetchFailed`` (category ``fetch``; retried);
-- a store whose fsspec driver is not installed (s3fs): ``ConfigError`` (the host needs it).
+- a store whose fsspec driver is not installed: ``ConfigError`` (the host needs it).
 
 HTTP(S) is bounded by a connect timeout and a per-read timeout, never a total: a large artifact
 streams for as long as bytes keep coming, and a stalled server fails within the read timeout.
@@ -27,11 +28,16 @@ import contextlib
 import errno
 import fcntl
 import io
+import logging
 import os
 import posixpath
 import re
 import stat
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Final
@@ -47,6 +53,8 @@ from app.contracts import FetchConfig, clip_text
 from app.errors import ArtifactRejected, ConfigError, FetchFailed, RolloutSystemError
 from app.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from app.safe_text import redact_in, redact_uri, terminal_safe
+
+log = logging.getLogger(__name__)
 
 # A URI as shown in a message: redacted, and no longer than this.
 MAX_SHOWN_URI: Final = 300
@@ -133,12 +141,15 @@ def _storage_options(scheme: str, fetch: FetchConfig) -> dict[str, Any]:
         return {"client_kwargs": {"timeout": timeout, "trace_configs": [_REDIRECT_GUARD]}}
     if scheme in ("s3", "s3a"):
         # s3fs hands these to botocore's Config; its defaults are 60 s each as well.
-        return {
+        options: dict[str, Any] = {
             "config_kwargs": {
                 "connect_timeout": fetch.connect_timeout_s,
                 "read_timeout": fetch.read_timeout_s,
             }
         }
+        if fetch.s3_endpoint_url is not None:
+            options["endpoint_url"] = fetch.s3_endpoint_url
+        return options
     return {}  # gs and others: the driver's own timeouts
 
 
@@ -146,7 +157,7 @@ def _describe(exc: BaseException, fetch: FetchConfig, *uris: str) -> str:
     """A foreign exception as one line of a message: no secret of ``uris``, no raw URL."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return f"no connection within the connect timeout ({fetch.connect_timeout_s:g} s)"
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, TimeoutError) or type(exc).__name__ == "ReadTimeoutError":
         return f"no data within the read timeout ({fetch.read_timeout_s:g} s)"
     if isinstance(exc, aiohttp.ClientConnectorError):
         # Its text ends "[Connect call failed ('127.0.0.1', 8000)]": say why instead.
@@ -160,6 +171,23 @@ def _describe(exc: BaseException, fetch: FetchConfig, *uris: str) -> str:
     text = redact_in(str(exc), *uris)
     text = _URL_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text)
     return clip_text(f"{type(exc).__name__}: {terminal_safe(text)}", 1000)
+
+
+def _transient_driver_error(exc: BaseException) -> bool:
+    """An object-store driver's own error for "cannot read now": botocore's timeouts and
+    dropped connections (a stall past the read timeout, a body cut short), which are not
+    OSErrors. Another attempt may well succeed."""
+    try:
+        from botocore import exceptions as boto
+    except ImportError:  # no S3 driver installed: nothing of it can be raised either
+        return False
+    return isinstance(
+        exc,
+        boto.ConnectionError
+        | boto.HTTPClientError
+        | boto.ResponseStreamingError
+        | boto.IncompleteReadError,
+    )
 
 
 def _is_not_found(exc: BaseException) -> bool:
@@ -191,6 +219,8 @@ def _translate(
     if isinstance(exc, ImportError):
         return _no_driver(what, exc, fetch)
     if isinstance(exc, OSError | aiohttp.ClientError):  # TimeoutError and ConnectionError too
+        return FetchFailed(clip_text(f"{what}: {_describe(exc, fetch, *uris)}"))
+    if _transient_driver_error(exc):
         return FetchFailed(clip_text(f"{what}: {_describe(exc, fetch, *uris)}"))
     return None
 
@@ -256,6 +286,104 @@ class _GuardedStream(io.RawIOBase):
         super().close()
 
 
+class _RangedReader(io.RawIOBase):
+    """A file of an object store read as ranges of ``part_bytes``, ``parallel_parts`` of
+    them in flight at once (each store request streams at its own pace, so several together
+    fill a fat pipe one cannot), handed out in order. A range that fails on a transient
+    error (``FetchFailed``: a stall past the read timeout, a connection cut mid-body, a 5xx)
+    is requested again with a growing pause, up to ``part_retries`` times, while the ranges
+    already received are kept: a broken transfer resumes at the range it broke in. The
+    object's size is checked first (one HEAD): a truncated or grown object is a ``size``
+    rejection before a byte of it is read."""
+
+    def __init__(
+        self, fs: Any, path: str, size: int, what: str, fetch: FetchConfig, *uris: str
+    ) -> None:
+        super().__init__()
+        self._fs, self._path, self._size, self._what = fs, path, size, what
+        self._fetch, self._uris = fetch, uris
+        self.retries = 0  # ranges requested again (the transfer resumed)
+        try:
+            stored = int(fs.info(path)["size"])
+        except BaseException as exc:
+            raise self._typed(exc) from None
+        if stored != size:
+            raise ArtifactRejected(
+                "size", f"{what} is {stored} bytes in the store, the manifest says {size}"
+            )
+        step = fetch.part_bytes
+        self._ranges = [(start, min(size, start + step)) for start in range(0, size, step)]
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(fetch.parallel_parts, len(self._ranges))),
+            thread_name_prefix="ranged-read",
+        )
+        self._ahead: deque[Future[bytes]] = deque()
+        self._next = 0  # index of the next range to request
+        self._current = memoryview(b"")
+        self._lock = threading.Lock()
+        self._fill()
+
+    def _typed(self, exc: BaseException) -> BaseException:
+        typed = _translate(exc, self._what, self._fetch, *self._uris)
+        return typed if typed is not None else exc
+
+    def _fill(self) -> None:
+        while len(self._ahead) < self._fetch.parallel_parts and self._next < len(self._ranges):
+            start, end = self._ranges[self._next]
+            self._ahead.append(self._pool.submit(self._read_range, start, end))
+            self._next += 1
+
+    def _read_range(self, start: int, end: int) -> bytes:
+        attempt = 0
+        while True:
+            try:
+                data = self._fs.cat_file(self._path, start=start, end=end)
+            except BaseException as exc:
+                typed = self._typed(exc)
+                if not isinstance(typed, FetchFailed) or attempt >= self._fetch.part_retries:
+                    raise typed from None
+                pause = min(30.0, self._fetch.retry_initial_s * 2**attempt)
+                log.warning(
+                    "%s: bytes %d-%d: %s; reading them again in %.1f s (%d of %d)",
+                    self._what, start, end, typed, pause, attempt + 1, self._fetch.part_retries,
+                )  # fmt: skip
+                with self._lock:
+                    self.retries += 1
+                time.sleep(pause)
+                attempt += 1
+                continue
+            if len(data) != end - start:
+                # A complete answer of another length: the object changed under us.
+                raise ArtifactRejected(
+                    "size",
+                    f"{self._what}: bytes {start}-{end} came back as {len(data)} bytes",
+                )
+            return data
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if not self._current:
+            if not self._ahead:
+                return 0
+            future = self._ahead.popleft()
+            self._current = memoryview(future.result())
+            self._fill()
+        n = min(len(view), len(self._current))
+        view[:n] = self._current[:n]
+        self._current = self._current[n:]
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            for future in self._ahead:
+                future.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+
 def _open_local_regular(path: str, what: str) -> int:
     """A descriptor on the regular file at ``path``, never waiting: O_NONBLOCK so that a FIFO
     (no writer) or a device swapped in after the listing does not block the open; O_NOFOLLOW
@@ -311,11 +439,12 @@ def _check_http_url(uri: str, shown: str) -> None:
 
 
 def _no_driver(what: str, exc: ImportError, fetch: FetchConfig) -> ConfigError:
-    # Not a fetch failure: retrying cannot install a package. The host needs the extra.
+    # Not a fetch failure: retrying cannot install a package. The host needs the driver.
     return ConfigError(
         clip_text(
             f"{what}: no driver for this store is installed ({_describe(exc, fetch)}); "
-            "for s3:// install the s3 extra (pip install -e .[s3])"
+            "install fsspec's driver for the scheme on every node (the project's setup "
+            "installs s3fs for s3:// and gcsfs for gs://)"
         ),
         field="manifest_uri",
     )
@@ -443,6 +572,15 @@ class ArtifactSource:
             inner: Any = os.fdopen(
                 _open_local_regular(path, f"listed file {rel!r}"), "rb", buffering=0
             )
+        elif not self.is_http and size is not None:
+            try:
+                inner = _RangedReader(
+                    self.fs, path, size, self._where(rel), self.fetch, self.manifest_uri, path
+                )
+            except ArtifactRejected as exc:
+                if exc.category == "missing":
+                    raise ArtifactRejected("missing", f"listed file {rel!r} is missing") from None
+                raise
         else:
             try:
                 inner = self._open_remote(path)

@@ -236,13 +236,28 @@ class FetchConfig(Contract):
     ``schemes``: the URI schemes a ``manifest_uri`` may use (a plain path counts as ``file``);
     any other is refused before anything is opened, and a redirect may not change the scheme.
     The timeouts bound a stall, not a download: connecting, and each wait for more bytes. A
-    large artifact streams for as long as bytes keep coming."""
+    large artifact streams for as long as bytes keep coming.
+
+    Object stores (``s3://``, ``gs://``) are read in ranges of ``part_bytes``,
+    ``parallel_parts`` at a time per file; a range that fails on a transient error (a stall
+    past the read timeout, a connection dropped mid-body, a 5xx) is read again, up to
+    ``part_retries`` times with a backoff doubling from ``retry_initial_s``, while the parts
+    already read are kept: a partly fetched file resumes where it broke off.
+    ``s3_endpoint_url``: an S3-compatible store (MinIO, Ceph, a test server) instead of AWS;
+    credentials come from the environment as for any AWS client."""
 
     schemes: Annotated[tuple[UriScheme, ...], Field(min_length=1, max_length=32)] = (
         DEFAULT_URI_SCHEMES
     )
     connect_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
     read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    part_bytes: Annotated[int, Field(ge=1 << 20, le=1 << 30)] = 16 << 20
+    parallel_parts: Annotated[int, Field(ge=1, le=64)] = 4
+    part_retries: Annotated[int, Field(ge=0, le=100)] = 5
+    retry_initial_s: Annotated[float, Field(gt=0, le=60)] = 0.5
+    s3_endpoint_url: (
+        Annotated[str, StringConstraints(pattern=r"^https?://[^\s]{1,500}$")] | None
+    ) = None
 
 
 class LoadingConfig(Contract):
