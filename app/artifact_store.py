@@ -34,7 +34,6 @@ import posixpath
 import re
 import stat
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -303,6 +302,9 @@ class _RangedReader(io.RawIOBase):
         self._fs, self._path, self._size, self._what = fs, path, size, what
         self._fetch, self._uris = fetch, uris
         self.retries = 0  # ranges requested again (the transfer resumed)
+        # Set by close(): ranges not started are dropped and a backoff ends at once, so a
+        # cancelled load (or a failure in another file) does not wait out the retries.
+        self._closing = threading.Event()
         try:
             stored = int(fs.info(path)["size"])
         except BaseException as exc:
@@ -336,11 +338,19 @@ class _RangedReader(io.RawIOBase):
     def _read_range(self, start: int, end: int) -> bytes:
         attempt = 0
         while True:
+            if self._closing.is_set():
+                raise FetchFailed(f"{self._what}: the read was stopped")
             try:
                 data = self._fs.cat_file(self._path, start=start, end=end)
             except BaseException as exc:
                 typed = self._typed(exc)
-                if not isinstance(typed, FetchFailed) or attempt >= self._fetch.part_retries:
+                final = (
+                    not isinstance(typed, FetchFailed)
+                    or isinstance(exc, PermissionError)  # a 403 stays a 403
+                    or attempt >= self._fetch.part_retries
+                    or self._closing.is_set()
+                )
+                if final:
                     raise typed from None
                 pause = min(30.0, self._fetch.retry_initial_s * 2**attempt)
                 log.warning(
@@ -349,7 +359,7 @@ class _RangedReader(io.RawIOBase):
                 )  # fmt: skip
                 with self._lock:
                     self.retries += 1
-                time.sleep(pause)
+                self._closing.wait(pause)
                 attempt += 1
                 continue
             if len(data) != end - start:
@@ -378,9 +388,12 @@ class _RangedReader(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            self._closing.set()
             for future in self._ahead:
                 future.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # A request in flight ends by itself (its read timeout at the latest); nobody
+            # waits for it.
+            self._pool.shutdown(wait=False, cancel_futures=True)
         super().close()
 
 

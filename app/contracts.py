@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    model_validator,
 )
 
 from app.errors import ConfigError
@@ -228,6 +229,8 @@ class MemoryConfig(Contract):
 # A URI scheme as RFC 3986 spells it, lower case (fsspec protocol names).
 UriScheme = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9+.-]{0,31}$")]
 DEFAULT_URI_SCHEMES: Final = ("file", "http", "https", "s3", "gs")
+# What an object-store file being read may hold in ranges read ahead (FetchConfig).
+MAX_READ_AHEAD_BYTES: Final = 512 << 20
 
 
 class FetchConfig(Contract):
@@ -258,6 +261,15 @@ class FetchConfig(Contract):
     s3_endpoint_url: (
         Annotated[str, StringConstraints(pattern=r"^https?://[^\s]{1,500}$")] | None
     ) = None
+
+    @model_validator(mode="after")
+    def _bounded_read_ahead(self) -> FetchConfig:
+        if self.part_bytes * self.parallel_parts > MAX_READ_AHEAD_BYTES:
+            raise ValueError(
+                f"part_bytes x parallel_parts is the memory each file being read holds: "
+                f"{self.part_bytes * self.parallel_parts} bytes, at most {MAX_READ_AHEAD_BYTES}"
+            )
+        return self
 
 
 class LoadingConfig(Contract):

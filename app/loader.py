@@ -44,7 +44,7 @@ from app.features import (
     encode_batch,
     rank_from_logits,
 )
-from app.load_control import LoadControl, begin, checkpoint
+from app.load_control import LoadCancelled, LoadControl, begin, checkpoint
 from app.manifest import Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
 from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
@@ -238,8 +238,18 @@ class SafetensorsAssembler:
         try:
             self._feed(chunk.cast("B") if chunk.format != "B" else chunk)
         except ArtifactRejected as exc:
-            self._error = exc
-            self._state = {}  # the tensors go now, not when the reader is done
+            self._fail(exc)
+        except torch.OutOfMemoryError as exc:
+            # The budget said it would fit and it did not (another process took the memory):
+            # worth another attempt, like any budget refusal.
+            self._fail(ArtifactRejected("budget", f"out of memory while loading: {exc}"))
+        except Exception as exc:  # e.g. a header nested past the parser's recursion limit
+            name = WEIGHTS_FILES["safetensors"]
+            self._fail(_unreadable(name, f"{type(exc).__name__}: {exc}"))
+
+    def _fail(self, error: ArtifactRejected) -> None:
+        self._error = error
+        self._state = {}  # the tensors go now, not when the reader is done
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors, once all bytes were fed and found to be the verified ones."""
@@ -777,12 +787,9 @@ def _memory_estimate(
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if manifest.runtime == "safetensors":
         # Streamed (SafetensorsAssembler): tensors are allocated where they live and filled
-        # as the bytes pass, so beside them only the reader's chunk buffers (bounded, on the
-        # host) and, on a GPU, a converting copy's chunk of the device.
-        if device.type == "cpu":
-            temporaries = READ_BUFFERS * CHUNK_BYTES
-        else:
-            temporaries = 0 if stored == compute_dtype else CHUNK_BYTES
+        # as the bytes pass, so beside them only the reader's chunk buffers, on the host (on
+        # a GPU a converting copy converts a chunk on the host too: nothing on the device).
+        temporaries = READ_BUFFERS * CHUNK_BYTES if device.type == "cpu" else 0
     elif device.type == "cpu":
         # The verified file bytes, plus the deserialized tensors when they are upcast. The
         # file bounds what deserializing costs: compressed records are refused and declared
@@ -889,7 +896,7 @@ def load_verified(
         t1 = time.perf_counter()
         try:
             loaded.dry_run(control)
-        except ArtifactRejected:
+        except (ArtifactRejected, LoadCancelled):  # a cancel is not a failed dry run
             loaded.close()
             raise
         except Exception as exc:  # a forward that raises is a failed dry run, not a crash

@@ -149,19 +149,24 @@ def cgroup_headroom(proc_cgroup: Path, mount: Path) -> int | None:
         else:
             continue
         # A container's own mount may have its cgroup at the root (a cgroup namespace, or a
-        # path that only makes sense on the host): the named path first, then the root.
-        for base in (root / rel, root):
-            limit, usage = _read_int(base / names[0]), _read_int(base / names[1])
-            if usage is None:
-                continue
-            # v1 reports "no limit" as a number near 2**63.
-            if limit is None or limit >= 1 << 60:
-                break
-            reclaimable = _stat_value(
-                base / "memory.stat", ("total_inactive_file", "inactive_file")
-            )
-            return max(0, limit - usage + (reclaimable or 0))
+        # path that only makes sense on the host): the named path if it is there, else the
+        # root. A limit may be set on any ancestor (a pod's, a slice's): the least headroom
+        # of the cgroup and those above it counts.
+        start = root / rel if (root / rel / names[1]).exists() else root
+        levels = [start, *(p for p in start.parents if p.is_relative_to(root))]
+        found = [h for h in (_headroom(level, names) for level in levels) if h is not None]
+        if found:
+            return min(found)
     return None
+
+
+def _headroom(base: Path, names: tuple[str, str]) -> int | None:
+    limit, usage = _read_int(base / names[0]), _read_int(base / names[1])
+    # v1 reports "no limit" as a number near 2**63.
+    if limit is None or usage is None or limit >= 1 << 60:
+        return None
+    reclaimable = _stat_value(base / "memory.stat", ("total_inactive_file", "inactive_file"))
+    return max(0, limit - usage + (reclaimable or 0))
 
 
 def _read_int(path: Path) -> int | None:

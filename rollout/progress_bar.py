@@ -98,7 +98,7 @@ def watching(control: LoadControl, bars: Bars) -> Iterator[LoadControl]:
     thread.start()
     try:
         yield control
-        show()
     finally:
         stop.set()
         thread.join()
+    show()  # the last figures, from this thread alone

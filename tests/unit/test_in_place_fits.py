@@ -101,4 +101,9 @@ def test_the_host_budget_counts_a_cgroup_limit(tmp_path) -> None:
     assert cgroup_headroom(proc, mount) is None
     proc, mount = cgroup_tree(tmp_path / "over", True, str(gib), 2 * gib)
     assert cgroup_headroom(proc, mount) == 0
+    # No limit on the container itself, one on its pod: the pod's counts.
+    proc, mount = cgroup_tree(tmp_path / "pod", True, "max", 9 * gib)
+    (mount / "kubepods/pod1/memory.max").write_text(f"{10 * gib}\n")
+    (mount / "kubepods/pod1/memory.current").write_text(f"{9 * gib}\n")
+    assert cgroup_headroom(proc, mount) == gib
     assert cgroup_headroom(tmp_path / "absent", mount) is None

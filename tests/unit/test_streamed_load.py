@@ -308,3 +308,71 @@ def test_the_budget_refuses_before_a_byte_of_weights_is_fetched(tmp_path: Path) 
     assert cache.entries() == []  # nothing fetched, nothing cached
     progress = control.progress()
     assert progress is None or progress.done_bytes == 0
+
+
+class CancelInDryRun(LoadControl):
+    """Cancels itself at a checkpoint of the dry run (the weights all read by then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_load = 0
+
+    def checkpoint(self) -> None:
+        progress = self.progress()
+        if progress is not None and progress.done_bytes == progress.total_bytes > 0:
+            self.after_load += 1
+            if self.after_load == 3:  # past the last chunk's and the load's own checkpoints
+                self.cancel("a newer target")
+        super().checkpoint()
+
+
+def test_a_load_cancelled_during_its_dry_run_is_cancelled_not_failed(tmp_path: Path) -> None:
+    result = pack_ranker(tmp_path, artifact_id="st-dry", seed=6)
+    with pytest.raises(LoadCancelled):
+        load_verified(open_verified(result), device=CPU, control=CancelInDryRun())
+
+
+def safetensors_bytes(
+    weights: dict[str, torch.Tensor], gap: int, header_pad: int
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """A hand-made file: ``gap`` bytes before every tensor (odd: elements at odd offsets)
+    and a header of odd length."""
+    header: dict[str, object] = {}
+    payload = b""
+    for key, value in sorted(weights.items()):
+        payload += b"\x5a" * gap
+        raw = value.contiguous().view(torch.uint8).numpy().tobytes()
+        tag = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}[value.dtype]
+        header[key] = {
+            "dtype": tag,
+            "shape": list(value.shape),
+            "data_offsets": [len(payload), len(payload) + len(raw)],
+        }
+        payload += raw
+    raw_header = json.dumps(header).encode() + b" " * header_pad
+    return struct.pack("<Q", len(raw_header)) + raw_header + payload, weights
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 4093])
+def test_the_assembler_takes_chunks_of_any_size(precision: str, chunk: int) -> None:
+    from app.loader import PRECISIONS, SafetensorsAssembler, compute_dtype_for
+    from app.manifest import Architecture
+    from app.ranker import build_ranker
+    from tests.artifacts import TINY_PARAMS
+
+    stored = PRECISIONS[precision]
+    weights = {k: v.to(stored) for k, v in tiny_weights().items()}
+    data, want = safetensors_bytes(weights, gap=3, header_pad=5)
+    model = build_ranker(
+        Architecture(name="ranker-mlp", version=1, params=dict(TINY_PARAMS)), device="meta"
+    )
+    compute = compute_dtype_for(precision, CPU)
+    assembler = SafetensorsAssembler(len(data), model, precision, CPU, compute)
+    view = memoryview(bytearray(data))
+    for start in range(0, len(view), chunk):
+        assembler.feed(view[start : start + chunk])
+    state = assembler.state()
+    for key, tensor in want.items():
+        assert state[key].dtype == compute
+        assert torch.equal(state[key], tensor.to(compute)), key
