@@ -119,52 +119,19 @@ class VerifiedArtifact:
         self.manifest.file(rel)  # KeyError for a path the manifest does not list
         return self.path / rel
 
-    def read_verified(self, rel: str, control: LoadControl | None = None) -> bytes:
-        """Read a listed file and check size and digest of exactly the bytes returned.
+    def read_verified(self, rel: str, control: LoadControl | None = None) -> bytearray:
+        """Read a listed file whole and check size and digest of exactly the bytes returned
+        (``open_stream``, read to its end).
 
         Loaders deserialize from these bytes, so what is loaded is what was verified even if
         the cached copy was changed after the fetch. ``control``: see app.load_control.
         """
-        try:
-            entry = self.manifest.file(rel)
-        except KeyError:
-            raise ArtifactRejected(
-                "missing",
-                f"{rel!r} is not listed in the manifest",
-                artifact_id=self.manifest.artifact_id,
-            ) from None
-        try:
-            data = read_regular(self.path / rel, f"cached file {rel!r}", entry.bytes)
-        except ArtifactRejected as exc:
-            raise ArtifactRejected(
-                exc.category, exc.detail, artifact_id=self.manifest.artifact_id
-            ) from None
-        except OSError as exc:
-            raise ArtifactRejected(
-                "missing",
-                f"cached file {rel!r} unreadable: {exc.strerror or exc}",
-                artifact_id=self.manifest.artifact_id,
-            ) from exc
-        if len(data) != entry.bytes:
-            raise ArtifactRejected(
-                "size",
-                f"cached {rel!r} is {len(data)} bytes, manifest says {entry.bytes}",
-                artifact_id=self.manifest.artifact_id,
-            )
-        hasher = hashlib.sha256()
-        view = memoryview(data)
-        for start in range(0, len(view), HASH_PIECE_BYTES):
-            piece = view[start : start + HASH_PIECE_BYTES]
-            hasher.update(piece)
-            advance(control, "load", len(piece))
-            checkpoint(control)
-        digest = hasher.hexdigest()
-        if digest != entry.sha256:
-            raise ArtifactRejected(
-                "digest",
-                f"cached {rel!r} has sha256 {digest}, manifest says {entry.sha256}",
-                artifact_id=self.manifest.artifact_id,
-            )
+        with self.open_stream(rel, control) as stream:
+            data = bytearray(stream.size)
+            view = memoryview(data)
+            for start in range(0, stream.size, HASH_PIECE_BYTES):
+                stream.readinto(view[start : start + HASH_PIECE_BYTES])
+            stream.finish()
         return data
 
     def open_stream(self, rel: str, control: LoadControl | None = None) -> VerifiedStream:

@@ -635,6 +635,11 @@ class InstanceReport(Contract):
     discarded_revisions: Annotated[
         tuple[Revision, ...], Field(max_length=MAX_REPORTED_REVISIONS)
     ] = ()
+    # The latest revisions whose load was stopped before it finished (a newer target, or
+    # none, arrived meanwhile): never installed either, and cheaper than loaded-and-dropped.
+    cancelled_revisions: Annotated[
+        tuple[Revision, ...], Field(max_length=MAX_REPORTED_REVISIONS)
+    ] = ()
     timings: LoadTimings = LoadTimings()
     # The load in progress (None when none runs): what ``rollout status`` shows as
     # "loading 3.1/7.0 GiB" beside the replica.

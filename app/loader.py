@@ -166,7 +166,9 @@ def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return stored
 
 
-def _deserialize_torch(data: bytes, model: RankerMLP, precision: str) -> dict[str, torch.Tensor]:
+def _deserialize_torch(
+    data: bytes | bytearray, model: RankerMLP, precision: str
+) -> dict[str, torch.Tensor]:
     """The state dict in a verified ``weights.pt``, with what it declares checked against
     ``model`` (on the meta device) before a single tensor is read: its bytes can then cost no
     more than the file and the architecture say. The pickle format needs the whole file."""
@@ -346,7 +348,7 @@ class SafetensorsAssembler:
         self._elements_done += count
 
 
-def _load_torch(data: bytes, map_location: str) -> Any:
+def _load_torch(data: bytes | bytearray, map_location: str) -> Any:
     """``torch.load`` of untrusted bytes: ``weights_only`` (no code runs); on ``"meta"`` it
     reads only the pickle, so shapes, dtypes and storage sizes come without their data."""
     try:
@@ -368,7 +370,7 @@ def _check_flat(state: object, name: str) -> None:
         )
 
 
-def _check_zip_records(data: bytes) -> None:
+def _check_zip_records(data: bytes | bytearray) -> None:
     """``weights.pt`` is a zip archive of stored (uncompressed) records that lie side by side
     inside the file. torch's reader inflates DEFLATE records, so one compressed record could
     expand to any size (a decompression bomb); stored records that neither overlap nor run

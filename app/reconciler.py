@@ -60,6 +60,8 @@ RETRYABLE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
 # fault that recurs on every job does not spin a core or flood the log.
 RESTART_PAUSE_S: Final = 0.1
 MAX_RESTART_PAUSE_S: Final = 60.0
+# Cancelled revisions kept for the report (it shows the latest few).
+MAX_KEPT_REVISIONS: Final = 64
 # Characters of a crashed worker's traceback in its log line.
 MAX_TRACEBACK_CHARS: Final = 16_000
 
@@ -188,6 +190,7 @@ class ReconcilerSnapshot:
     discarded: tuple[int, ...] = field(default=())  # revisions loaded but never installed
     worker_restarts: int = 0  # the worker died of an unexpected error and was restarted
     worker_crash: ErrorInfo | None = None  # the last such error
+    cancelled: tuple[int, ...] = field(default=())  # revisions whose load was stopped
     progress: StageProgress | None = None  # of the load in progress, if any
     loading: Target | None = None  # the target of that load
 
@@ -245,6 +248,7 @@ class Reconciler(Generic[M]):
         self._last_error: ErrorInfo | None = None
         self._attempts = 0
         self._discarded: list[int] = []
+        self._cancelled: list[int] = []
         self._work = False  # the desired target still needs loading
         self._retry_at = 0.0
         self._busy = False  # the worker is inside a load
@@ -548,6 +552,9 @@ class Reconciler(Generic[M]):
             # Not a failure: the target is no longer wanted, whatever is (if anything)
             # is the worker's next job.
             log.info("%s: load of %s stopped: %s", self._name, describe_target(target), exc)
+            with self._cond:
+                self._cancelled.append(target.revision)
+                del self._cancelled[:-MAX_KEPT_REVISIONS]
             self._emit(ReconcileEvent("cancelled", target, attempt=attempt))
             return
         error = error_info(exc, target)
@@ -595,6 +602,7 @@ class Reconciler(Generic[M]):
                 phase=self._phase,
                 last_error=self._last_error,
                 discarded=tuple(self._discarded),
+                cancelled=tuple(self._cancelled),
                 worker_restarts=self._worker_restarts,
                 worker_crash=self._worker_crash,
                 progress=self._control.progress() if self._control is not None else None,

@@ -385,6 +385,7 @@ class RankerReplica:
             runtime_build=getattr(model, "runtime_build", None),
             last_error=self._latest_error(snap.last_error),
             discarded_revisions=snap.discarded[-MAX_REPORTED_REVISIONS:],
+            cancelled_revisions=snap.cancelled[-MAX_REPORTED_REVISIONS:],
             timings=self._timings,
             progress=_progress(snap),
             installed_at=self._installed_at if current is not None else None,

@@ -74,6 +74,15 @@ if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the ca
 
 DEFAULT_CACHE_DIR: Final = "var/cache"
 
+# `pack` and `verify` print one JSON line either way; --json also keeps the terminal quiet.
+_json_mode_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Machine mode: the JSON line only, never a progress bar (one is drawn on stderr "
+    "when it is a terminal).",
+)
+
 
 def emit(payload: dict[str, Any]) -> None:
     click.echo(json.dumps(payload, sort_keys=True))
@@ -119,13 +128,7 @@ def cli() -> None:
     help="Name of the OpenSSF signature file in the artifact directory (reserved: a source "
     "file of that name is refused).",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Machine mode: the JSON line only, never a progress bar (one is drawn on stderr "
-    "when it is a terminal).",
-)
+@_json_mode_option
 def pack(
     src_dir: Path,
     model: str,
@@ -201,13 +204,7 @@ def _redacting(*uris: str) -> Iterator[None]:
     show_default=True,
     help="The model the service serves (loading.model): a manifest of another is refused.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Machine mode: the JSON line only, never a progress bar (one is drawn on stderr "
-    "when it is a terminal).",
-)
+@_json_mode_option
 def verify(
     manifest_uri: str,
     manifest_sha256: str,

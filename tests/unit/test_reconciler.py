@@ -206,6 +206,7 @@ def test_a_newer_target_cancels_a_load_at_its_next_checkpoint(
     snap = rec.snapshot()
     assert snap.actual == target(3, "a") and snap.phase is ReplicaPhase.READY
     assert snap.last_error is None and snap.progress is None
+    assert snap.cancelled == (2,) and snap.discarded == ()
     assert target(2, "slow") not in loader.installed
     kinds = [(e.kind, e.target.revision if e.target else None) for e in events]
     assert ("cancelled", 2) in kinds and ("failed", 2) not in kinds

@@ -211,7 +211,7 @@ def test_a_long_load_reports_its_progress_and_a_newer_target_cancels_it(
     report = serving.report()
     assert report.last_error is None and report.progress is None
     # Stopped at a checkpoint, not loaded to its end and then dropped.
-    assert 6 not in report.discarded_revisions
+    assert 6 not in report.discarded_revisions and 6 in report.cancelled_revisions
 
 
 def wide_bytes(packed: PackResult) -> int:
