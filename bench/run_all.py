@@ -52,6 +52,7 @@ def main() -> None:
     rows += run("bench_router.py", *(["--rounds", "1"] if quick else []))
     rows += run("bench_verify.py", "--rounds", "1" if quick else "3")
     rows += run("bench_load.py", *(["--quick"] if quick else []))
+    rows += run("bench_batching.py", *(["--quick"] if quick else []))
     rows += run("bench_signature.py", *(["--quick"] if quick else []))
     rows += run("bench_rollout.py", "--rounds", "1" if quick else "3")
     rows += run("bench_judge.py", *(["--quick"] if quick else []))
