@@ -466,7 +466,11 @@ def main() -> int:
                 for kind in measured
             )
             loaded_in = "; ".join(
-                f"{kind} load " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+                f"{kind} load "
+                + ", ".join(
+                    f"{k} {v / (1 << 20):.0f} MiB" if k.endswith("_bytes") else f"{k} {v:.2f}s"
+                    for k, v in t.items()
+                )
                 for kind, t in timings.items()
             )
             print(
