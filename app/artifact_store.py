@@ -301,7 +301,6 @@ class _RangedReader(io.RawIOBase):
         super().__init__()
         self._fs, self._path, self._size, self._what = fs, path, size, what
         self._fetch, self._uris = fetch, uris
-        self.retries = 0  # ranges requested again (the transfer resumed)
         # Set by close(): ranges not started are dropped and a backoff ends at once, so a
         # cancelled load (or a failure in another file) does not wait out the retries.
         self._closing = threading.Event()
@@ -322,7 +321,6 @@ class _RangedReader(io.RawIOBase):
         self._ahead: deque[Future[bytes]] = deque()
         self._next = 0  # index of the next range to request
         self._current = memoryview(b"")
-        self._lock = threading.Lock()
         self._fill()
 
     def _typed(self, exc: BaseException) -> BaseException:
@@ -357,8 +355,6 @@ class _RangedReader(io.RawIOBase):
                     "%s: bytes %d-%d: %s; reading them again in %.1f s (%d of %d)",
                     self._what, start, end, typed, pause, attempt + 1, self._fetch.part_retries,
                 )  # fmt: skip
-                with self._lock:
-                    self.retries += 1
                 self._closing.wait(pause)
                 attempt += 1
                 continue

@@ -218,12 +218,6 @@ class VerifiedStream:
         advance(self._control, "load", wanted)
         checkpoint(self._control)
 
-    def read(self, n: int) -> bytes:
-        """The next ``n`` bytes (small reads: headers)."""
-        buf = bytearray(n)
-        self.readinto(memoryview(buf))
-        return bytes(buf)
-
     def skip(self, n: int) -> None:
         """Read and hash ``n`` bytes nobody keeps (padding between tensors)."""
         scratch = bytearray(min(n, CHUNK_BYTES))

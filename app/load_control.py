@@ -20,13 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Literal
 
 from app.errors import RolloutSystemError
 from app.load_pacing import LoadPacer
 
 LoadStage = Literal["fetch", "verify", "load"]
-LOAD_STAGES: Final[tuple[LoadStage, ...]] = ("fetch", "verify", "load")
 
 
 class LoadCancelled(RolloutSystemError):
