@@ -249,3 +249,7 @@ class StatusResponse(BaseModel):
     probe_loop: LoopView = LoopView()
     # The hot standby (None: the app has no fallback deployment).
     standby: StandbyView | None = None
+    # Mirroring to the canary (a rollout's shadow phase): the share of stable's requests
+    # copied (bp) and the copies in flight now.
+    shadow_bp: int = 0
+    shadow_in_flight: int = 0

@@ -132,6 +132,13 @@ class RolloutPhase(StrEnum):
     """The canary pool has been given the candidate as its target and carries no traffic;
     waiting until every canary replica reports the candidate loaded, verified and ready."""
 
+    SHADOWING = "shadowing"
+    """(A plan with a shadow phase.) The canary is ready and carries no user traffic; the
+    router copies a sample of stable's requests to it, off the clients' path, and compares the
+    rankings. One window per interval is judged against the expected divergence until the
+    comparison shows the candidate within it (then the first step) or outside it (rolled
+    back before any user was answered by it)."""
+
     PROGRESSING = "progressing"
     """At ``step_index``: the canary pool is scaled for the step, then the router is given the
     step's weights, then one analysis window per interval is judged until one passes."""
@@ -456,6 +463,65 @@ class StandbyConfig(Contract):
     cold_wait_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
 
 
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+
+class ShadowRouting(Contract):
+    """Mirroring of stable's requests to the canary (a rollout's shadow phase).
+
+    ``fraction_bp`` of the requests that stable answers are sent again to the canary once the
+    client has its answer (users sampled by a hash of their key, as bucketing does, so a user
+    is mirrored on every request or on none); the copy's answer goes to nobody and is only
+    compared with stable's (``app.divergence``). At most ``max_in_flight`` copies are in
+    flight at once: a copy that finds them all busy is dropped and counted, so a slow canary
+    costs the client nothing. ``top_k`` and ``rbo_p`` are the comparison's parameters."""
+
+    fraction_bp: BasisPoints = 0
+    max_in_flight: Annotated[int, Field(ge=1, le=10_000)] = 16
+    top_k: Annotated[int, Field(ge=1, le=2048)] = 10
+    rbo_p: Annotated[float, Field(gt=0, lt=1)] = 0.9
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction_bp > 0
+
+
+EXPECTED_DIVERGENCE_KEY: Final = "expected_divergence"
+
+
+class ExpectedDivergence(Contract):
+    """How far a candidate's rankings were measured to be from a named baseline's, offline
+    (``rollout replay`` over a held-out set; kept in the manifest's
+    ``metadata.expected_divergence``). The shadow phase's gate holds the live divergence to
+    this band (with the plan's tolerance) when the rollout's baseline is this one, and
+    compared with the same ``top_k`` and ``rbo_p``."""
+
+    baseline_artifact_id: Name
+    baseline_manifest_sha256: Sha256
+    requests: Annotated[int, Field(ge=1, le=1 << 40)]
+    top_k: Annotated[int, Field(ge=1, le=2048)]
+    rbo_p: Annotated[float, Field(gt=0, lt=1)]
+    rbo_mean: Probability
+    overlap_mean: Probability
+    top1_change_rate: Probability
+    max_score_diff_p99: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+    source: Text = ""
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> ExpectedDivergence | None:
+        """The block of a manifest's metadata, None without one; ConfigError names the
+        field."""
+        raw = metadata.get(EXPECTED_DIVERGENCE_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                f"metadata.{EXPECTED_DIVERGENCE_KEY}: a mapping, got {type(raw).__name__}",
+                field=f"metadata.{EXPECTED_DIVERGENCE_KEY}",
+            )
+        return cls.parse(raw, where=f"metadata.{EXPECTED_DIVERGENCE_KEY}")
+
+
 class RouterConfig(Contract):
     """The router's ``user_config``: changed live through ``reconfigure`` (no restart)."""
 
@@ -476,6 +542,8 @@ class RouterConfig(Contract):
     probe_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     # Only used when the app has a fallback deployment (AppArgs.fallback).
     standby: StandbyConfig = StandbyConfig()
+    # Off unless a rollout's shadow phase turns it on.
+    shadow: ShadowRouting = ShadowRouting()
 
     @classmethod
     def from_user_config(cls, raw: Mapping[str, Any] | RouterConfig) -> RouterConfig:
@@ -485,6 +553,14 @@ class RouterConfig(Contract):
         return RouterConfig.model_validate(
             {**self.model_dump(exclude_unset=True), "canary_bp": canary_bp}
         )
+
+    def with_shadow(self, shadow: ShadowRouting) -> RouterConfig:
+        data = self.model_dump(exclude_unset=True)
+        if shadow == ShadowRouting():
+            data.pop("shadow", None)  # off: the config reads as its author wrote it
+        else:
+            data["shadow"] = shadow.model_dump(mode="json")
+        return RouterConfig.model_validate(data)
 
 
 # --------------------------------------------------------------------------- application args
@@ -819,6 +895,38 @@ class RolloutEvent(Contract):
     canary_bp: BasisPoints | None = None  # weight events
 
 
+class ShadowView(Contract):
+    """The shadow phase as far as it went: how much is mirrored, what the comparisons saw
+    over the phase, and what the gate holds them to (``basis``)."""
+
+    fraction_bp: BasisPoints
+    live: bool  # the router was observed mirroring
+    basis: Text
+    compared: Annotated[int, Field(ge=0)] = 0
+    dropped: Annotated[int, Field(ge=0)] = 0
+    errors: Annotated[int, Field(ge=0)] = 0
+    rbo_mean: Probability | None = None
+    overlap_mean: Probability | None = None
+    top1_change_rate: Probability | None = None
+    max_score_diff_p99: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    windows: Annotated[int, Field(ge=0)] = 0
+
+    def describe(self) -> str:
+        def num(value: float | None, fmt: str) -> str:
+            return "-" if value is None else format(value, fmt)
+
+        top1 = None if self.top1_change_rate is None else self.top1_change_rate * 100
+        state = "mirroring" if self.fraction_bp else "mirroring off"
+        live = "" if not self.fraction_bp else (" (live)" if self.live else " (not confirmed)")
+        return (
+            f"shadow: {state} {self.fraction_bp / 100:g}%{live} | {self.compared} compared, "
+            f"{self.dropped} dropped, {self.errors} unanswered | mean RBO "
+            f"{num(self.rbo_mean, '.3f')}, top-k overlap {num(self.overlap_mean, '.3f')}, "
+            f"top-1 changed {num(top1, '.1f')}%"
+            f", p99 max score diff {num(self.max_score_diff_p99, '.4f')} | gate: {self.basis}"
+        )
+
+
 class RolloutSummary(Contract):
     """The rollout the controller drives; ``rollout`` None (and nothing else) when none."""
 
@@ -837,6 +945,7 @@ class RolloutSummary(Contract):
     reason: Text | None = None
     pending_gate: Name | None = None
     held: HoldView | None = None
+    shadow: ShadowView | None = None
     verdicts: tuple[VerdictView, ...] = ()
     events: tuple[RolloutEvent, ...] = ()
 

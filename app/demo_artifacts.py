@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -18,17 +18,21 @@ import safetensors.torch
 import torch
 
 from app.artifact_store import manifest_uri_for
+from app.cache import ArtifactCache
+from app.contracts import EXPECTED_DIVERGENCE_KEY
 from app.errors import ConfigError
 from app.features import (
     FEATURE_NAMES,
     FEATURE_SCHEMA,
     LABEL_MAPPING_FILE,
     NORMALIZATION_FILE,
+    NUM_FEATURES,
 )
-from app.loader import PRECISIONS, WEIGHTS_FILES
+from app.loader import PRECISIONS, WEIGHTS_FILES, load_verified
 from app.manifest import MANIFEST_NAME, Architecture
 from app.packing import ARCHITECTURE_FILE, METADATA_FILE, PackResult, pack_artifact
 from app.ranker import RANKER_MLP, build_ranker
+from app.request_bodies import DEFAULT_SEED
 
 DEMO_MODEL: Final = "ranker"
 # Small enough to load and dry-run in a few milliseconds on a CPU.
@@ -100,9 +104,11 @@ def write_ranker_source(
     runtime: str = "safetensors",
     evaluation: Mapping[str, Any] | None = None,
     weights: Mapping[str, torch.Tensor] | None = None,
+    normalization: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a source directory for ``pack_artifact``. ``weights`` overrides the generated
-    tensors (tests build broken artifacts that way); they are written as given."""
+    tensors (tests build broken artifacts that way); they are written as given.
+    ``normalization`` overrides the seed's ``normalization_doc``."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision: {precision!r} is not one of {sorted(PRECISIONS)}")
     if runtime not in WEIGHTS_FILES:
@@ -120,7 +126,7 @@ def write_ranker_source(
         weights_path.write_bytes(safetensors.torch.save(state))
     else:
         torch.save(state, weights_path)
-    _dump(src_dir / NORMALIZATION_FILE, normalization_doc(seed))
+    _dump(src_dir / NORMALIZATION_FILE, normalization or normalization_doc(seed))
     _dump(src_dir / LABEL_MAPPING_FILE, label_mapping_doc())
     _dump(src_dir / ARCHITECTURE_FILE, arch.model_dump(mode="json"))
     _dump(
@@ -137,6 +143,42 @@ def write_ranker_source(
     )
 
 
+def _pack_once(
+    out_dir: Path,
+    artifact_id: str,
+    write_source: Callable[[Path], None],
+    metadata: dict[str, Any] | None = None,
+) -> PackResult:
+    """Pack the source ``write_source`` writes into ``out_dir/artifact_id``. Idempotent: an
+    artifact already there with the same manifest is kept; a different one is an error
+    (artifacts are immutable)."""
+    final = out_dir / artifact_id
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{artifact_id}.") as tmp:
+        src, staged = Path(tmp) / "src", Path(tmp) / "out"
+        write_source(src)
+        packed = pack_artifact(
+            src,
+            staged,
+            model=DEMO_MODEL,
+            artifact_id=artifact_id,
+            feature_schema=FEATURE_SCHEMA,
+            metadata=metadata,
+        )
+        if (final / MANIFEST_NAME).exists():
+            if (final / MANIFEST_NAME).read_bytes() != (staged / MANIFEST_NAME).read_bytes():
+                raise ConfigError(f"out_dir: {final} holds a different {artifact_id}")
+        elif final.exists():
+            raise ConfigError(f"out_dir: {final} exists but holds no {MANIFEST_NAME}")
+        else:
+            staged.rename(final)
+    return PackResult(
+        artifact_id=artifact_id,
+        out_dir=final.resolve(),
+        manifest_uri=manifest_uri_for(final),
+        manifest_sha256=packed.manifest_sha256,
+    )
+
+
 def make_demo_artifacts(out_dir: Path) -> list[PackResult]:
     """Pack ranker-v41, ranker-v42 and the fallback's ranker-lite-v1 under ``out_dir``.
     Idempotent: an artifact already there with the same manifest is kept; a different one is
@@ -145,30 +187,171 @@ def make_demo_artifacts(out_dir: Path) -> list[PackResult]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for artifact_id, seed, params, evaluation in DEMO_VERSIONS:
-        final = out_dir / artifact_id
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{artifact_id}.") as tmp:
-            src, staged = Path(tmp) / "src", Path(tmp) / "out"
-            write_ranker_source(src, seed=seed, params=params, evaluation=evaluation)
-            packed = pack_artifact(
-                src,
-                staged,
-                model=DEMO_MODEL,
-                artifact_id=artifact_id,
-                feature_schema=FEATURE_SCHEMA,
-            )
-            if (final / MANIFEST_NAME).exists():
-                if (final / MANIFEST_NAME).read_bytes() != (staged / MANIFEST_NAME).read_bytes():
-                    raise ConfigError(f"out_dir: {final} holds a different {artifact_id}")
-            elif final.exists():
-                raise ConfigError(f"out_dir: {final} exists but holds no {MANIFEST_NAME}")
-            else:
-                staged.rename(final)
-        results.append(
-            PackResult(
-                artifact_id=artifact_id,
-                out_dir=final.resolve(),
-                manifest_uri=manifest_uri_for(final),
-                manifest_sha256=packed.manifest_sha256,
-            )
+
+        def write(src: Path, seed: int = seed, params: Any = params, ev: Any = evaluation) -> None:
+            write_ranker_source(src, seed=seed, params=params, evaluation=ev)
+
+        results.append(_pack_once(out_dir, artifact_id, write))
+    return results
+
+
+# --------------------------------------------------------------------------- shadow phase
+#
+# Candidates for a rollout's shadow phase, all derived from ranker-v41's weights: two
+# packaging bugs that no offline number shows (their evaluation is the intended model's) and
+# that rank unlike v41, and a legitimately retrained model whose recorded expectation lets it
+# pass a shadow gate its distance from v41 alone would fail.
+
+SHADOW_BASELINE: Final = "ranker-v41"
+SHADOW_BASELINE_SEED: Final = 41
+SHADOW_RENORM: Final = "ranker-v41-renorm"
+SHADOW_PERMUTED: Final = "ranker-v41-permuted"
+SHADOW_FINE_TUNED: Final = "ranker-v43"
+# ranker-v41-renorm: v41's weights with the normalization of another training run (v42's).
+RENORM_SEED: Final = 42
+# ranker-v41-permuted: the feature columns of v41's first layer in this seed's order.
+PERMUTATION_SEED: Final = 80
+# ranker-v43: v41's weights plus this share of each tensor's spread in seeded noise. Measured
+# on the requests below: mean RBO about 0.83 and a top-1 change rate about 0.33 against v41
+# (outside the shadow phase's absolute limits, 0.9 and 0.1); on the live load's own 64
+# bodies (rollout.traffic, the same seed and shape) within about 0.01 of both. The seed is
+# the one of three tried whose 64 live bodies agree best with the larger set.
+FINE_TUNE_SEED: Final = 44
+FINE_TUNE_SCALE: Final = 0.06
+# What ranker-v43's expected divergence from v41 is measured on: the live load's generator
+# (its default seed and shape: 20 candidates, top_n 10), with the shadow phase's default
+# comparison (top_k 10, rbo_p 0.9).
+SHADOW_REPLAY_REQUESTS: Final = 1000
+SHADOW_REPLAY_SEED: Final = DEFAULT_SEED  # the live load's (rollout.traffic.TrafficSpec.seed)
+SHADOW_EVALUATION: Final[Mapping[str, Mapping[str, float]]] = {
+    # The bugs' offline evaluation is the intended model's, v41's: the numbers cannot tell.
+    SHADOW_RENORM: {"ndcg_at_10": 0.412, "auc": 0.781},
+    SHADOW_PERMUTED: {"ndcg_at_10": 0.412, "auc": 0.781},
+    SHADOW_FINE_TUNED: {"ndcg_at_10": 0.424, "auc": 0.79},
+}
+
+
+def _v41_weights() -> dict[str, torch.Tensor]:
+    arch = Architecture(name=RANKER_MLP, version=1, params=dict(DEMO_PARAMS))
+    return ranker_weights(arch, seed=SHADOW_BASELINE_SEED)
+
+
+def permuted_weights(weights: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the feature columns of the first layer (``blocks.0.weight[:, :80]``)
+    in a seeded order: what a pipeline that reorders the features does to a model."""
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(NUM_FEATURES))
+    out = dict(weights)
+    first = weights["blocks.0.weight"].clone()
+    first[:, :NUM_FEATURES] = first[:, :NUM_FEATURES][:, order]
+    out["blocks.0.weight"] = first
+    return out
+
+
+def fine_tuned_weights(
+    weights: Mapping[str, torch.Tensor], seed: int, scale: float
+) -> dict[str, torch.Tensor]:
+    """``weights`` plus N(0, (scale * std of the tensor)^2) noise from numpy's PCG64 (stable
+    across torch versions), tensor by tensor in key order: a deterministic "fine-tune"."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(weights):
+        base = weights[key]
+        values = base.numpy()
+        spread = np.float32(scale) * np.float32(values.std() or 1.0)
+        noise = rng.standard_normal(values.shape, dtype=np.float32) * spread
+        out[key] = torch.from_numpy(values + noise).to(base.dtype)
+    return out
+
+
+def _derived_metadata(note: str) -> dict[str, Any]:
+    return {
+        "training": {"seed": SHADOW_BASELINE_SEED, "derived_from": SHADOW_BASELINE, "note": note}
+    }
+
+
+def make_shadow_artifacts(out_dir: Path, baseline: PackResult) -> dict[str, PackResult]:
+    """Pack the shadow phase's demo candidates under ``out_dir``, keyed by artifact id:
+
+    - ``ranker-v41-renorm``: v41's exact weights with v42's normalization (a packaging bug);
+    - ``ranker-v41-permuted``: v41's weights with the first layer's feature columns permuted
+      (a feature-order bug);
+    - ``ranker-v43``: v41's weights plus a small seeded perturbation (a fine-tune), with its
+      ``metadata.expected_divergence`` against ``baseline`` recorded by ``app.replay`` (the
+      live load's generated requests, the default comparison) on the CPU.
+
+    ``baseline`` is ranker-v41 as ``make_demo_artifacts`` packed it (the block names its
+    manifest digest). Idempotent like ``make_demo_artifacts``: an artifact already there
+    with the same manifest is kept; a different one is an error."""
+    from app.replay import expected_divergence, generated_requests, replay
+
+    if baseline.artifact_id != SHADOW_BASELINE:
+        raise ConfigError(
+            f"baseline: the shadow artifacts derive from {SHADOW_BASELINE}, not "
+            f"{baseline.artifact_id}"
         )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    v41 = _v41_weights()
+    results: dict[str, PackResult] = {}
+
+    def source(weights: Mapping[str, torch.Tensor], normalization_seed: int, artifact_id: str):
+        def write(src: Path) -> None:
+            write_ranker_source(
+                src,
+                seed=SHADOW_BASELINE_SEED,
+                evaluation=SHADOW_EVALUATION[artifact_id],
+                weights=weights,
+                normalization=normalization_doc(normalization_seed),
+            )
+
+        return write
+
+    results[SHADOW_RENORM] = _pack_once(
+        out_dir,
+        SHADOW_RENORM,
+        source(v41, RENORM_SEED, SHADOW_RENORM),
+        _derived_metadata(f"normalization of seed {RENORM_SEED}"),
+    )
+    results[SHADOW_PERMUTED] = _pack_once(
+        out_dir,
+        SHADOW_PERMUTED,
+        source(permuted_weights(v41, PERMUTATION_SEED), SHADOW_BASELINE_SEED, SHADOW_PERMUTED),
+        _derived_metadata(f"first layer's feature columns permuted (seed {PERMUTATION_SEED})"),
+    )
+
+    tuned = fine_tuned_weights(v41, FINE_TUNE_SEED, FINE_TUNE_SCALE)
+    write_tuned = source(tuned, SHADOW_BASELINE_SEED, SHADOW_FINE_TUNED)
+    tuned_metadata = _derived_metadata(
+        f"fine-tuned: seeded perturbation (seed {FINE_TUNE_SEED}, scale {FINE_TUNE_SCALE:g})"
+    )
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{SHADOW_FINE_TUNED}.replay.") as tmp:
+        # The same model without its block, packed and loaded as a replica loads it, to
+        # measure what the block records.
+        probe = Path(tmp) / "probe"
+        probe.mkdir()
+        unrecorded = _pack_once(probe, SHADOW_FINE_TUNED, write_tuned, tuned_metadata)
+        cache = ArtifactCache(Path(tmp) / "cache")
+        cpu = torch.device("cpu")  # one device for the recorded bytes, whatever the machine
+        models = [
+            load_verified(cache.fetch_verified(p.manifest_uri, p.manifest_sha256), device=cpu)
+            for p in (baseline, unrecorded)
+        ]
+        try:
+            requests = generated_requests(SHADOW_REPLAY_REQUESTS, seed=SHADOW_REPLAY_SEED)
+            totals = replay(models[0], models[1], requests)
+        finally:
+            for model in models:
+                model.close()
+    block = expected_divergence(
+        totals,
+        baseline_artifact_id=baseline.artifact_id,
+        baseline_manifest_sha256=baseline.manifest_sha256,
+        source=requests.source,
+    )
+    results[SHADOW_FINE_TUNED] = _pack_once(
+        out_dir,
+        SHADOW_FINE_TUNED,
+        write_tuned,
+        {**tuned_metadata, EXPECTED_DIVERGENCE_KEY: block.model_dump(mode="json")},
+    )
     return results

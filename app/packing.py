@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from app.artifact_store import manifest_uri_for
-from app.contracts import SignatureTrust, Target
+from app.contracts import EXPECTED_DIVERGENCE_KEY, ExpectedDivergence, SignatureTrust, Target
 from app.errors import ArtifactRejected, ConfigError
 from app.manifest import (
     MANIFEST_NAME,
@@ -111,6 +111,23 @@ def _copy_hashing(
     return h.hexdigest(), size
 
 
+def check_expected_divergence(
+    metadata: dict[str, Any], artifact_id: str
+) -> ExpectedDivergence | None:
+    """The ``metadata.expected_divergence`` block (``rollout replay``'s) of the artifact
+    ``artifact_id`` (None without one): one the rollout controller reads, measured against
+    another artifact; else ConfigError naming the field (before anything is written)."""
+    expected = ExpectedDivergence.from_metadata(metadata)
+    if expected is not None and expected.baseline_artifact_id == artifact_id:
+        field = f"metadata.{EXPECTED_DIVERGENCE_KEY}.baseline_artifact_id"
+        raise ConfigError(
+            f"{field}: {artifact_id!r} is the artifact being packed; the block is measured "
+            "against another model (the rollout's baseline)",
+            field=field,
+        )
+    return expected
+
+
 def pack_artifact(
     src_dir: Path,
     out_dir: Path,
@@ -130,7 +147,9 @@ def pack_artifact(
     """Copy every regular file of ``src_dir`` into ``out_dir`` and write ``manifest.json``.
 
     ``architecture.json`` and ``metadata.json`` in ``src_dir`` describe the artifact and are
-    folded into the manifest instead of being copied. ``out_dir`` must not exist or be empty.
+    folded into the manifest instead of being copied; ``metadata`` is merged over the latter
+    (top-level keys). A ``metadata.expected_divergence`` block is validated
+    (``app.contracts.ExpectedDivergence``). ``out_dir`` must not exist or be empty.
 
     ``sign_key``: an ed25519 key writes the project's ``manifest.json.sig``; an EC key an
     OpenSSF model signature (``signature_file``) over the directory, with the digests just
@@ -172,6 +191,7 @@ def pack_artifact(
             raise ConfigError(f"metadata: {METADATA_FILE} must hold a JSON object")
         merged_metadata.update(loaded)
     merged_metadata.update(metadata or {})
+    check_expected_divergence(merged_metadata, artifact_id)
     payload = [r for r in rels if r not in (ARCHITECTURE_FILE, METADATA_FILE)]
     if not payload:
         raise ConfigError(f"SRC_DIR: {src_dir} holds no model files")

@@ -26,6 +26,7 @@ STAGE: Final = "stage"  # "download" | "verify" | "load" | "dry_run" | "paced" |
 #                         "total" (app.contracts.LoadTimings' fields, and the whole load)
 RESULT: Final = "result"  # load stage result: "ok" | "error"
 STATE: Final = "state"  # standby breaker state: "closed" | "open" | "half_open" | "ramping"
+ARTIFACT: Final = "artifact"  # shadow comparisons: the canary's artifact id (the candidate)
 
 # --- router -----------------------------------------------------------------------------
 ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
@@ -46,6 +47,16 @@ ROUTER_FALLBACK_READY: Final = "ranker_router_fallback_ready"  # gauge: 1 while 
 ROUTER_FALLBACK_ALLOWED: Final = "ranker_router_fallback_allowed"  # gauge: the accuracy guard
 ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requests waiting
 #                                                                    for a cold fallback
+# Shadow traffic (app.shadow): copies of stable-answered requests sent to the canary.
+ROUTER_SHADOW_REQUESTS: Final = "ranker_router_shadow_requests"  # counter {outcome}: "compared"
+#                                   | "dropped" (no room in flight) | "error" (no answer)
+ROUTER_SHADOW_RBO: Final = "ranker_router_shadow_rbo"  # histogram {artifact}: rank-biased
+#                                   overlap with stable's ranking, per compared copy
+ROUTER_SHADOW_OVERLAP: Final = "ranker_router_shadow_topk_overlap"  # histogram {artifact}
+ROUTER_SHADOW_SCORE_DIFF: Final = "ranker_router_shadow_max_score_diff"  # histogram {artifact}
+ROUTER_SHADOW_TOP1_CHANGED: Final = "ranker_router_shadow_top1_changed"  # counter {artifact}
+ROUTER_SHADOW_IN_FLIGHT: Final = "ranker_router_shadow_in_flight"  # gauge, every <= 1 s
+ROUTER_SHADOW_FRACTION_BP: Final = "ranker_router_shadow_fraction_bp"  # gauge, every <= 1 s
 STANDBY_GAUGES: Final = (
     ROUTER_BREAKER_STATE,
     ROUTER_SERVING_FROM_FALLBACK,
@@ -68,6 +79,14 @@ LATENCY_BOUNDARIES_MS: Final = (
     4000, 5000, 6000, 7500, 10000, 15000, 20000, 30000,
 )  # fmt: skip
 BATCH_SIZE_BOUNDARIES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Shares in [0, 1] (RBO, top-k overlap): finer near 1, where a healthy candidate lies.
+SHARE_BOUNDARIES: Final = (
+    0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 0.999, 1.0,
+)  # fmt: skip
+# Score differences (scores are probabilities in [0, 1]).
+SCORE_DIFF_BOUNDARIES: Final = (
+    1e-6, 1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
+)  # fmt: skip
 
 # --- replicas ---------------------------------------------------------------------------
 REPLICA_LOAD_STAGE_S: Final = "ranker_replica_load_stage_seconds"  # histogram {cohort, stage,

@@ -68,6 +68,7 @@ from app.routing import (
     request_key,
     says_not_serving,
 )
+from app.shadow import Comparison, ShadowMirror, is_mirrored
 from app.standby import (
     AccuracyVerdict,
     BreakerState,
@@ -130,6 +131,56 @@ class RouterMetrics:
             boundaries=list(t.BATCH_SIZE_BOUNDARIES),
             tag_keys=(t.COHORT,),
         )
+
+
+class ShadowMetrics:
+    """Shadow traffic: what the comparisons of mirrored copies found (app.shadow)."""
+
+    def __init__(self) -> None:
+        self.requests = metrics.Counter(
+            t.ROUTER_SHADOW_REQUESTS,
+            description="Copies of stable-answered requests for the canary, by outcome.",
+            tag_keys=(t.OUTCOME,),
+        )
+        self.rbo = metrics.Histogram(
+            t.ROUTER_SHADOW_RBO,
+            description="Rank-biased overlap of the canary's ranking with stable's, per copy.",
+            boundaries=list(t.SHARE_BOUNDARIES),
+            tag_keys=(t.ARTIFACT,),
+        )
+        self.overlap = metrics.Histogram(
+            t.ROUTER_SHADOW_OVERLAP,
+            description="Share of stable's top k in the canary's top k, per copy.",
+            boundaries=list(t.SHARE_BOUNDARIES),
+            tag_keys=(t.ARTIFACT,),
+        )
+        self.score_diff = metrics.Histogram(
+            t.ROUTER_SHADOW_SCORE_DIFF,
+            description="Largest score difference of one candidate between the two, per copy.",
+            boundaries=list(t.SCORE_DIFF_BOUNDARIES),
+            tag_keys=(t.ARTIFACT,),
+        )
+        self.top1_changed = metrics.Counter(
+            t.ROUTER_SHADOW_TOP1_CHANGED,
+            description="Copies whose first candidate differs from stable's.",
+            tag_keys=(t.ARTIFACT,),
+        )
+        self.in_flight = metrics.Gauge(
+            t.ROUTER_SHADOW_IN_FLIGHT, description="Copies sent and not answered yet."
+        )
+        self.fraction_bp = metrics.Gauge(
+            t.ROUTER_SHADOW_FRACTION_BP,
+            description="Share of stable-answered requests copied to the canary (bp).",
+        )
+
+    def compared(self, comparison: Comparison) -> None:
+        tags = {t.ARTIFACT: comparison.canary_artifact}
+        d = comparison.divergence
+        self.rbo.observe(d.rbo, tags=tags)
+        self.overlap.observe(d.overlap, tags=tags)
+        self.score_diff.observe(d.max_score_diff, tags=tags)
+        if d.top1_changed:
+            self.top1_changed.inc(tags=tags)
 
 
 class StandbyMetrics:
@@ -211,6 +262,17 @@ class Router:
         self._in_flight = 0
         self._request_counts: dict[tuple[str, str], int] = {}
         self._metrics = RouterMetrics()
+        self._shadow_metrics = ShadowMetrics()
+        self._shadow_coalescer = CohortCoalescer(
+            self._shadow_sender(),
+            max_calls=self._config.coalesce_calls_per_replica,
+            max_batch=self._config.coalesce_max_batch,
+        )
+        self._mirror = ShadowMirror(
+            self._shadow_coalescer.submit,
+            on_compared=self._shadow_metrics.compared,
+            timeout_s=self._config.request_timeout_s,
+        )
         self._probe_task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
         self._probe_loop_view = LoopView()
@@ -248,6 +310,8 @@ class Router:
         self._config_error = None
         for cohort in self._roles:
             self._size_coalescer(cohort)
+        self._mirror.config = config.shadow
+        self._mirror.timeout_s = config.request_timeout_s
         now = time.monotonic()
         for breaker in self._breakers.values():
             breaker.reconfigure(config.standby, now)
@@ -255,10 +319,13 @@ class Router:
         self._metrics.canary_weight.set(config.canary_bp)
 
     def _size_coalescer(self, cohort: str) -> None:
-        coalescer = self._coalescers[cohort]
         replicas = max(1, len(self._views[cohort]))
-        coalescer.max_calls = self._config.coalesce_calls_per_replica * replicas
-        coalescer.max_batch = self._config.coalesce_max_batch
+        coalescers = [self._coalescers[cohort]]
+        if cohort == CANARY:
+            coalescers.append(self._shadow_coalescer)
+        for coalescer in coalescers:
+            coalescer.max_calls = self._config.coalesce_calls_per_replica * replicas
+            coalescer.max_batch = self._config.coalesce_max_batch
 
     # ------------------------------------------------------------------ cohort calls
 
@@ -282,6 +349,21 @@ class Router:
             if breaker is not None:
                 breaker.record_success(time.monotonic())
             return answer
+
+        return send
+
+    def _shadow_sender(self) -> Callable[[list[WireRequest]], Awaitable[WireAnswer]]:
+        """Copies go to the canary through their own coalescer: they never wait behind, or
+        delay, the canary's user traffic in its coalescer, and their failures touch neither
+        the cohort's health nor its standby breaker (nobody waits for them)."""
+
+        async def send(batch: list[WireRequest]) -> WireAnswer:
+            response = self._rank_handles[CANARY].remote(batch)
+            try:
+                return await asyncio.wait_for(response, self._config.request_timeout_s)
+            except TimeoutError:
+                response.cancel()
+                raise
 
         return send
 
@@ -524,7 +606,21 @@ class Router:
             "X-Model-Revision": str(meta.revision),
             "X-Model-Cohort": meta.cohort,
         }
-        return _json(200, payload, headers)
+        response = _json(200, payload, headers)
+        if (
+            cohort == STABLE
+            and not failover
+            and forced is None
+            and is_mirrored(
+                fraction_bp=config.shadow.fraction_bp,
+                salt=config.salt,
+                key=key,
+                random_bp=lambda: self._rng.randrange(BASIS_POINTS),
+            )
+        ):
+            # After the response is built; the copy runs in its own task (app.shadow).
+            self._mirror.offer(wire, meta, ranking)
+        return response
 
     def _cohort_failed(self, cohort: str, exc: BaseException, started: float) -> None:
         self._observe(cohort, "error", started)
@@ -697,6 +793,10 @@ class Router:
         # export intervals: a weight set once at reconfigure would vanish from the scrape).
         self._metrics.in_flight.set(self._in_flight)
         self._metrics.canary_weight.set(self._config.canary_bp)
+        for outcome, n in self._mirror.take_counts().items():
+            self._shadow_metrics.requests.inc(n, tags={t.OUTCOME: outcome})
+        self._shadow_metrics.in_flight.set(self._mirror.in_flight)
+        self._shadow_metrics.fraction_bp.set(self._config.shadow.fraction_bp)
         self._export_standby()
 
     # ------------------------------------------------------------------ status
@@ -748,9 +848,12 @@ class Router:
             config_error=self._config_error,
             probe_loop=probe_loop,
             standby=self.standby_view(),
+            shadow_bp=self._config.shadow.fraction_bp,
+            shadow_in_flight=self._mirror.in_flight,
         )
 
     def __del__(self) -> None:
         self._closing = True  # the loop's cancellation below is ours: no restart
+        self._mirror.close()
         if self._probe_task is not None:
             self._probe_task.cancel()

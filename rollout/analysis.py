@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,14 +67,48 @@ class CohortStats:
 
 
 @dataclass(frozen=True)
+class ShadowStats:
+    """Mirrored copies in one window (the shadow phase): sums over the compared ones of their
+    rank-biased overlap, top-k overlap and top-1 changes (app/divergence.py), the p99 of their
+    largest score difference, and the copies dropped (no room in flight) or unanswered."""
+
+    compared: int = 0
+    rbo_sum: float = 0.0
+    overlap_sum: float = 0.0
+    top1_changed: float = 0.0
+    max_score_diff_p99: float | None = None
+    dropped: int = 0
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.compared, self.dropped, self.errors) < 0:
+            raise ValueError("copy counts are never negative")
+
+
+@dataclass(frozen=True)
 class WindowStats:
     """Both cohorts over the same window ``[start, end)`` (seconds, the controller's clock).
-    A cohort is None when the metrics source has no series for it at all."""
+    A cohort is None when the metrics source has no series for it at all. ``shadow`` holds
+    the mirrored comparisons by the canary artifact that answered them; ``shadow_outcomes``
+    the copies by outcome ("compared", "dropped", "error")."""
 
     start: float
     end: float
     canary: CohortStats | None
     stable: CohortStats | None
+    shadow: Mapping[str, ShadowStats] = field(default_factory=dict)
+    shadow_outcomes: Mapping[str, int] = field(default_factory=dict)
+
+    def shadow_of(self, artifact_id: str) -> ShadowStats | None:
+        """The candidate's comparisons with the window's dropped and unanswered copies (None:
+        no copy at all)."""
+        found = self.shadow.get(artifact_id)
+        dropped = int(self.shadow_outcomes.get("dropped", 0))
+        errors = int(self.shadow_outcomes.get("error", 0))
+        if found is None and not dropped and not errors:
+            return None
+        base = found or ShadowStats()
+        return dataclasses.replace(base, dropped=dropped, errors=errors)
 
     @property
     def duration_s(self) -> float:

@@ -23,6 +23,7 @@ import click
 from pydantic import ValidationError
 
 from app.contracts import (
+    EXPECTED_DIVERGENCE_KEY,
     CommandAccepted,
     ControllerPing,
     ControllerSettings,
@@ -69,7 +70,8 @@ from rollout.status_view import render_status, standby_lines
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the cache
     from app.cache import ArtifactCache, VerifiedArtifact
-    from app.loader import CandidateLoad
+    from app.contracts import ExpectedDivergence
+    from app.loader import CandidateLoad, LoadedModel
     from rollout.progress_bar import Bars
 
 DEFAULT_CACHE_DIR: Final = "var/cache"
@@ -128,6 +130,14 @@ def cli() -> None:
     help="Name of the OpenSSF signature file in the artifact directory (reserved: a source "
     "file of that name is refused).",
 )
+@click.option(
+    "--expected-divergence",
+    "expected_divergence_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="An expected_divergence block (JSON, as `rollout replay --out` writes it) to embed "
+    "as the manifest's metadata.expected_divergence.",
+)
 @_json_mode_option
 def pack(
     src_dir: Path,
@@ -140,6 +150,7 @@ def pack(
     architecture_json: str | None,
     sign_key: Path | None,
     signature_file: str,
+    expected_divergence_file: Path | None,
     as_json: bool,
 ) -> None:
     """Pack SRC_DIR into an immutable artifact directory with a manifest."""
@@ -152,6 +163,11 @@ def pack(
             architecture = Architecture.model_validate_json(architecture_json)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--architecture") from exc
+    metadata = None
+    if expected_divergence_file is not None:
+        # Refused before anything is written, naming the field.
+        block = _read_expected_divergence(expected_divergence_file, artifact_id)
+        metadata = {EXPECTED_DIVERGENCE_KEY: block}
     with progress_bars(wanted(as_json)) as bars:
         result = pack_artifact(
             src_dir,
@@ -162,12 +178,39 @@ def pack(
             runtime=runtime,
             precision=precision,
             architecture=architecture,
+            metadata=metadata,
             sign_key=sign_key,
             signature_file=signature_file,
             on_start=lambda total: bars.start("copy + hash", total),
             on_bytes=lambda n: bars.advance("copy + hash", n),
         )
     emit(result.as_json())
+
+
+MAX_EXPECTED_DIVERGENCE_BYTES: Final = 64 << 10
+
+
+def _read_expected_divergence(path: Path, artifact_id: str) -> dict[str, Any]:
+    """The block of ``pack --expected-divergence`` for ``artifact_id``, validated
+    (``app.packing.check_expected_divergence``); ConfigError names the file and the field."""
+    from app.packing import check_expected_divergence
+
+    where = f"--expected-divergence {path}"
+    with open(path, "rb") as handle:
+        raw = handle.read(MAX_EXPECTED_DIVERGENCE_BYTES + 1)
+    if len(raw) > MAX_EXPECTED_DIVERGENCE_BYTES:
+        raise ConfigError(f"{where}: over {MAX_EXPECTED_DIVERGENCE_BYTES} bytes; not a block")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    try:
+        block = check_expected_divergence({EXPECTED_DIVERGENCE_KEY: doc}, artifact_id)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}", **exc.ids) from None
+    if block is None:
+        raise ConfigError(f"{where}: holds null, not an {EXPECTED_DIVERGENCE_KEY} block")
+    return block.model_dump(mode="json")
 
 
 @contextmanager
@@ -218,36 +261,17 @@ def verify(
     """Fetch MANIFEST_URI into the verified cache and check every file and that this service
     can serve it (runtime, feature schema, precision, architecture); ``--load`` also loads."""
     from app.cache import ArtifactCache
-    from app.load_control import LoadControl
-    from app.loader import check_compatibility
     from app.trust import TrustPolicy
-    from rollout.progress_bar import progress_bars, wanted, watching
+    from rollout.progress_bar import progress_bars, wanted
 
     trust = trust_from_options(trust_args)
     started = time.monotonic()
     with _redacting(manifest_uri), progress_bars(wanted(as_json)) as bars:
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
-
-        def servable(manifest: Manifest) -> None:
-            # What the manifest says decides whether the service could ever serve it: no
-            # weights need loading to refuse an unknown runtime, schema, precision or
-            # architecture.
-            if manifest.model != model:
-                raise ArtifactRejected(
-                    "schema",
-                    f"manifest is for model {manifest.model!r}; the service serves "
-                    f"{model!r} (--model)",
-                    artifact_id=manifest.artifact_id,
-                )
-            check_compatibility(manifest)
-
+        servable = _servable_check(model)
         # With --load, a cold fetch feeds the weights into the model as it hashes them.
         prepared = _candidate_load(memory_budget, servable) if load else None
-        with watching(LoadControl(), bars) as control:
-            artifact = cache.fetch_verified(
-                manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
-            )
-        servable(artifact.manifest)
+        artifact = _fetch_servable(cache, manifest_uri, manifest_sha256, servable, prepared, bars)
         if prepared is not None:
             payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, prepared, bars)
     payload: dict[str, Any] = {
@@ -263,6 +287,23 @@ def verify(
     emit(payload)
 
 
+def _servable_check(model: str) -> Callable[[Manifest], None]:
+    """What the manifest says decides whether the service could ever serve it: no weights
+    need loading to refuse an unknown runtime, schema, precision or architecture."""
+    from app.loader import check_compatibility
+
+    def servable(manifest: Manifest) -> None:
+        if manifest.model != model:
+            raise ArtifactRejected(
+                "schema",
+                f"manifest is for model {manifest.model!r}; the service serves {model!r} (--model)",
+                artifact_id=manifest.artifact_id,
+            )
+        check_compatibility(manifest)
+
+    return servable
+
+
 def _candidate_load(
     memory_budget: int | None, servable: Callable[[Manifest], None]
 ) -> CandidateLoad:
@@ -273,6 +314,43 @@ def _candidate_load(
     return CandidateLoad(budget=budget, expect=servable)
 
 
+def _fetch_servable(
+    cache: ArtifactCache,
+    manifest_uri: str,
+    manifest_sha256: str,
+    servable: Callable[[Manifest], None],
+    prepared: CandidateLoad | None,
+    bars: Bars,
+) -> VerifiedArtifact:
+    """``verify``'s fetch: into the verified cache, a hit re-hashed (every byte checked), the
+    manifest checked servable; a cold fetch feeds ``prepared`` as it hashes."""
+    from app.load_control import LoadControl
+    from rollout.progress_bar import watching
+
+    with watching(LoadControl(), bars) as control:
+        artifact = cache.fetch_verified(
+            manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
+        )
+    servable(artifact.manifest)
+    return artifact
+
+
+def _load_strictly(
+    cache: ArtifactCache,
+    artifact: VerifiedArtifact,
+    manifest_sha256: str,
+    prepared: CandidateLoad,
+    bars: Bars,
+) -> LoadedModel:
+    """``verify --load``'s load: build, strictly load and dry-run, with the load's bar."""
+    from app.load_control import LoadControl
+    from app.loader import load_verified
+    from rollout.progress_bar import watching
+
+    with cache.lease(manifest_sha256), watching(LoadControl(), bars) as control:
+        return load_verified(artifact, control=control, prepared=prepared)
+
+
 def _load_for_verify(
     cache: ArtifactCache,
     artifact: VerifiedArtifact,
@@ -281,31 +359,217 @@ def _load_for_verify(
     bars: Bars,
 ) -> dict[str, Any]:
     """``verify --load``: build, strictly load and dry-run, with the load's bar."""
-    from app.load_control import LoadControl
-    from app.loader import load_verified
-    from rollout.progress_bar import watching
+    model = _load_strictly(cache, artifact, manifest_sha256, prepared, bars)
+    try:
+        return {
+            "device": str(model.device),
+            "runtime_build": model.runtime_build,
+            "param_bytes": model.param_bytes,
+            "loaded_bytes": model.loaded_bytes,
+            **{f"{k}_s": round(v, 4) for k, v in model.timings.items()},
+        }
+    finally:
+        model.close()
 
-    with cache.lease(manifest_sha256), watching(LoadControl(), bars) as control:
-        model = load_verified(artifact, control=control, prepared=prepared)
+
+def _verified_model(
+    cache: ArtifactCache, directory: Path, manifest_sha256: str, model: str, bars: Bars
+) -> LoadedModel:
+    """The artifact in ``directory`` as ``verify --load`` takes it: every byte verified into
+    the cache, servable, strictly loaded and dry-run."""
+    from app.artifact_store import manifest_uri_for
+    from app.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, sha256_hex
+
+    # The cache finds an entry by its digest alone: the directory must hold that manifest,
+    # or a digest of another artifact would replay that one under this directory's name.
+    try:
+        with open(directory / MANIFEST_NAME, "rb") as handle:
+            found = sha256_hex(handle.read(MAX_MANIFEST_BYTES + 1))
+    except FileNotFoundError:
+        raise ArtifactRejected("missing", f"{directory} holds no {MANIFEST_NAME}") from None
+    if found != manifest_sha256:
+        raise ArtifactRejected(
+            "manifest_digest",
+            f"{directory / MANIFEST_NAME} has sha256 {found}, not the given {manifest_sha256}",
+        )
+    servable = _servable_check(model)
+    prepared = _candidate_load(None, servable)
+    uri = manifest_uri_for(directory)
+    artifact = _fetch_servable(cache, uri, manifest_sha256, servable, prepared, bars)
+    return _load_strictly(cache, artifact, manifest_sha256, prepared, bars)
+
+
+def _requests_option_check(
+    requests_path: Path | None, generated: int | None, seed: int | None
+) -> tuple[Path | None, int, int]:
+    if requests_path is not None and generated is not None:
+        raise click.BadParameter(
+            "give --requests or --generated, not both", param_hint="--requests"
+        )
+    if requests_path is not None and seed is not None:
+        raise click.BadParameter("--seed is for --generated requests only", param_hint="--seed")
+    from app.replay import DEFAULT_REQUESTS
+    from app.request_bodies import DEFAULT_SEED
+
+    return requests_path, generated or DEFAULT_REQUESTS, DEFAULT_SEED if seed is None else seed
+
+
+def _replay_summary(block: ExpectedDivergence, candidate: str) -> list[str]:
+    """What ``replay`` says on stderr: the figures the block records, one a line."""
+    rows = [
+        ("mean RBO", block.rbo_mean),
+        (f"top-{block.top_k} overlap", block.overlap_mean),
+        ("top-1 change rate", block.top1_change_rate),
+        ("p99 max score diff", block.max_score_diff_p99),
+    ]
+    return [
+        f"replayed {block.requests} requests ({block.source}) through {candidate} and "
+        f"{block.baseline_artifact_id} (top_k {block.top_k}, rbo_p {block.rbo_p:g})",
+        *(f"  {name:<20} {value:.4f}" for name, value in rows),
+    ]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_ARTIFACT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
+@cli.command()
+@click.option("--baseline", "baseline_dir", required=True, type=_ARTIFACT_DIR,
+              help="The baseline's artifact directory (the rollout's stable model).")  # fmt: skip
+@click.option("--baseline-sha256", required=True, callback=_sha256_option)
+@click.option("--candidate", "candidate_dir", required=True, type=_ARTIFACT_DIR,
+              help="The candidate's artifact directory.")  # fmt: skip
+@click.option("--candidate-sha256", required=True, callback=_sha256_option)
+@click.option(
+    "--requests",
+    "requests_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A JSON-lines file, one POST /v1/rank body a line.",
+)
+@click.option(
+    "--generated",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=None,
+    help="Replay this many requests of the live load's generator (default: 2000 when no "
+    "--requests is given).",
+)
+@click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=None,
+              help="Seed of the --generated requests (default: the live load's, 7).")  # fmt: skip
+@click.option("--top-k", type=click.IntRange(min=1, max=2048), default=10, show_default=True,
+              help="Depth of the top-k overlap (the shadow phase's top_k).")  # fmt: skip
+@click.option(
+    "--rbo-p",
+    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+    default=0.9,
+    show_default=True,
+    help="Persistence of rank-biased overlap (the shadow phase's rbo_p).",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the expected_divergence block here (default: stdout, one JSON line).",
+)
+@click.option("--cache", "cache_dir", default=DEFAULT_CACHE_DIR, show_default=True)
+@trust_options
+@click.option(
+    "--model",
+    default="ranker",
+    show_default=True,
+    help="The model the service serves (loading.model): a manifest of another is refused.",
+)
+@_json_mode_option
+def replay(
+    baseline_dir: Path,
+    baseline_sha256: str,
+    candidate_dir: Path,
+    candidate_sha256: str,
+    requests_path: Path | None,
+    generated: int | None,
+    seed: int | None,
+    top_k: int,
+    rbo_p: float,
+    out_path: Path | None,
+    cache_dir: str,
+    model: str,
+    as_json: bool,
+    **trust_args: Any,
+) -> None:
+    """Replay requests through the baseline and the candidate and record how far the
+    candidate's rankings are from the baseline's, as the shadow phase measures them live.
+
+    Both artifacts are verified and loaded as ``verify --load`` does (every byte checked,
+    strict load, dry run). The ``expected_divergence`` block goes to --out (for ``pack
+    --expected-divergence``) or to stdout as one JSON line; a summary goes to stderr (not
+    with --json)."""
+    from app.cache import ArtifactCache
+    from app.replay import block_json, generated_requests, replay_expectation, requests_file
+    from app.trust import TrustPolicy
+    from rollout.progress_bar import progress_bars, wanted
+
+    trust = trust_from_options(trust_args)
+    path, count, seed = _requests_option_check(requests_path, generated, seed)
+    # A bad requests file is refused before any artifact is fetched.
+    requests = requests_file(path) if path is not None else generated_requests(count, seed=seed)
+    with progress_bars(wanted(as_json)) as bars:
+        cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
+        baseline = _verified_model(cache, baseline_dir, baseline_sha256, model, bars)
         try:
-            return {
-                "device": str(model.device),
-                "runtime_build": model.runtime_build,
-                "param_bytes": model.param_bytes,
-                "loaded_bytes": model.loaded_bytes,
-                **{f"{k}_s": round(v, 4) for k, v in model.timings.items()},
-            }
+            candidate = _verified_model(cache, candidate_dir, candidate_sha256, model, bars)
+            try:
+                block, _ = replay_expectation(
+                    baseline,
+                    candidate,
+                    requests,
+                    baseline_manifest_sha256=baseline_sha256,
+                    top_k=top_k,
+                    rbo_p=rbo_p,
+                )
+            finally:
+                candidate.close()
         finally:
-            model.close()
+            baseline.close()
+    if not as_json:
+        for line in _replay_summary(block, candidate.artifact_id):
+            click.echo(terminal_safe(line), err=True)
+    if out_path is not None:
+        _write_atomically(out_path, block_json(block))
+        if not as_json:
+            click.echo(terminal_safe(f"wrote {out_path}"), err=True)
+    else:
+        emit(block.model_dump(mode="json"))
 
 
 @cli.command("make-demo-artifacts")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-def make_demo_artifacts_command(out_dir: Path) -> None:
-    """Write the demo artifacts ranker-v41 and ranker-v42 (deterministic) into OUT_DIR."""
-    from app.demo_artifacts import make_demo_artifacts
+@click.option(
+    "--shadow",
+    is_flag=True,
+    help="Also the shadow phase's candidates: ranker-v41-renorm and ranker-v41-permuted "
+    "(packaging bugs) and ranker-v43 (fine-tuned, with its expected divergence from "
+    "ranker-v41 recorded).",
+)
+def make_demo_artifacts_command(out_dir: Path, shadow: bool) -> None:
+    """Write the demo artifacts ranker-v41, ranker-v42 and ranker-lite-v1 (deterministic)
+    into OUT_DIR: one JSON line each."""
+    from app.demo_artifacts import SHADOW_BASELINE, make_demo_artifacts, make_shadow_artifacts
 
-    for result in make_demo_artifacts(out_dir):
+    results = make_demo_artifacts(out_dir)
+    if shadow:
+        baseline = next(r for r in results if r.artifact_id == SHADOW_BASELINE)
+        results += list(make_shadow_artifacts(out_dir, baseline).values())
+    for result in results:
         emit(result.as_json())
 
 

@@ -29,7 +29,10 @@ class ControllerMetrics:
         )
 
     def publish(self, state: RolloutState | None) -> None:
-        if state is None or state.evidence is None:
+        if state is None:
+            return
+        self._publish_shadow(state)
+        if state.evidence is None:
             return
         plan = state.plan
         fail_at = enabled_checks(plan.checks) / plan.alpha
@@ -44,3 +47,21 @@ class ControllerMetrics:
         tags = {t.MODEL: state.model, t.CHECK: SAMPLE_RATIO, t.SIDE: "against"}
         self.evidence.set(capped(state.evidence.e_mismatch), tags=tags)
         self.bound.set(1 / plan.alpha, tags=tags)
+
+    def _publish_shadow(self, state: RolloutState) -> None:
+        """The shadow gate's evidence, per measure: the strongest evidence against it and the
+        weakest for it over its bounds (what decides FAIL and PASS)."""
+        evidence = state.shadow_evidence
+        if evidence is None or not evidence.bounds:
+            return
+        plan = state.plan
+        fail_at = len(evidence.bounds) / plan.alpha
+        for measure in {b.measure for b in evidence.bounds}:
+            bounds = [b for b in evidence.bounds if b.measure == measure]
+            for side, value, bound in (
+                ("against", max(b.against.e_value for b in bounds), fail_at),
+                ("for", min(b.supporting.e_value for b in bounds), 1 / plan.beta),
+            ):
+                tags = {t.MODEL: state.model, t.CHECK: measure, t.SIDE: side}
+                self.evidence.set(capped(value), tags=tags)
+                self.bound.set(bound, tags=tags)

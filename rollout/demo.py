@@ -1,10 +1,15 @@
 """``rollout demo``: the whole system on embedded defaults, end to end, under load.
 
 Local Ray + Serve on free ports, an SQLite registry, a local artifact store. It packs and
-registers ranker-v41 and ranker-v42, deploys with v41 stable, drives steady synthetic traffic,
-rolls v42 out step by step with analysis, promotes it, then rolls stable back to v41 on
-request. It prints progress while it runs, then a summary, writes a timeline picture, and ends
-with one JSON line. Exit status 1 if any request failed or the story did not end as told.
+registers ranker-v41 and the shadow phase's candidates, deploys with v41 stable and drives
+steady synthetic traffic. First a candidate with v41's weights and a feature-order bug (it
+loads, verifies and passes its dry run) is rolled out: its shadow phase compares its rankings
+with stable's on mirrored requests and stops it before any user is answered by it. Then
+ranker-v43, whose divergence from v41 was recorded offline (``rollout replay``), passes its
+shadow phase on that expectation and is rolled out step by step with analysis and promoted;
+then stable is rolled back to v41 on request. It prints progress while it runs, then a
+summary, writes a timeline picture, and ends with one JSON line. Exit status 1 if any request
+failed or the story did not end as told.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import click
 
 from app.polling import wait_until
-from rollout.local_stack import BASELINE, CANDIDATE, LocalStack
+from rollout.local_stack import BASELINE, LocalStack
 from rollout.traffic import (
     RequestRecord,
     TrafficRun,
@@ -49,7 +54,14 @@ DEMO_PLAN: dict[str, Any] = {
         "p99_slack_ms": 100,
     },
     "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
+    # Before the first step: half of stable's requests copied to the canary and compared.
+    # The tolerance is wider than the default 0.05, so the demo's few hundred copies a
+    # window show a candidate within its band in a few windows.
+    "shadow": {"fraction": 0.5, "max_in_flight": 16, "min_compared": 100, "tolerance": 0.1},
 }
+# The candidate stopped in its shadow phase, and the one rolled out.
+BROKEN_CANDIDATE = "ranker-v41-permuted"
+CANDIDATE = "ranker-v43"
 
 
 @dataclass
@@ -127,12 +139,32 @@ def step_shares(
     return rows
 
 
+def shadow_line(view: dict[str, Any]) -> str:
+    shadow = view.get("shadow") or {}
+    compared = shadow.get("compared") or 0
+    rbo = shadow.get("rbo_mean")
+    top1 = shadow.get("top1_change_rate")
+    return (
+        f"{compared} copies compared, {shadow.get('dropped', 0)} dropped"
+        + (f", mean RBO {rbo:.3f}" if rbo is not None else "")
+        + (f", top-1 changed {top1 * 100:.1f}%" if top1 is not None else "")
+        + f" | gate: {shadow.get('basis', '-')}"
+    )
+
+
 def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
+    from app.demo_artifacts import make_shadow_artifacts
+
     started = time.monotonic()
     stack = LocalStack.up(workdir, fresh=not keep, echo=_echo)
     workdir = stack.workdir
     run: TrafficRun | None = None
     try:
+        shadow_packed = make_shadow_artifacts(workdir / "artifacts", stack.packed[BASELINE])
+        for artifact_id in (BROKEN_CANDIDATE, CANDIDATE):
+            stack.register(shadow_packed[artifact_id])
+            _echo(f"   registered + approved {artifact_id} "
+                  f"({shadow_packed[artifact_id].manifest_sha256[:12]}...)")  # fmt: skip
 
         def status() -> dict[str, Any]:
             return stack.call("status")
@@ -141,22 +173,44 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         run = TrafficRun(
             TrafficSpec(
                 url=stack.cluster.http_url, rate=rate, concurrency=16, max_requests=100_000,
-                max_seconds=170,
+                max_seconds=260,
             )
         ).start()  # fmt: skip
         wait_until(lambda: len(run.records) >= 20, 60, "first answers")
         timeline = Timeline(clock=run.now_s)
         timeline.observe({"weights": {"canary_bp": 0}, "phase": f"stable {BASELINE}"})
 
+        _echo(f"== rollout of {BROKEN_CANDIDATE} (v41's weights, a feature-order bug in its "
+              "first layer: it loads, verifies and passes its dry run)")  # fmt: skip
+        stack.call("start_rollout", BROKEN_CANDIDATE, DEMO_PLAN, "demo")
+
+        def broken_done() -> bool:
+            view = status()
+            timeline.observe(view)
+            return bool(view.get("finished"))
+
+        wait_until(broken_done, 90, f"the shadow phase to stop {BROKEN_CANDIDATE}", every=0.5)
+        broken = status()
+        timeline.mark(f"{BROKEN_CANDIDATE} stopped in shadow")
+        _echo(f"   {broken.get('phase')}: {broken.get('reason')}")
+        _echo(f"   shadow: {shadow_line(broken)}")
+        broken_answers = sum(1 for r in run.records if r.artifact_id == BROKEN_CANDIDATE)
+        _echo(f"   answers to users from {BROKEN_CANDIDATE}: {broken_answers}")
+
         _echo(f"== rollout of {CANDIDATE} (steps {DEMO_PLAN['steps']}%, "
               f"{DEMO_PLAN['interval_s']}s windows)")  # fmt: skip
         stack.call("start_rollout", CANDIDATE, DEMO_PLAN, "demo")
 
         verdicts_shown = 0
+        shadow_shown = False
 
         def progress() -> bool:
-            nonlocal verdicts_shown
+            nonlocal verdicts_shown, shadow_shown
             view = status()
+            if not shadow_shown and view.get("phase") not in ("pending", "preparing", "shadowing"):
+                if view.get("shadow"):
+                    _echo(f"       shadow passed: {shadow_line(view)}")
+                shadow_shown = True
             if timeline.observe(view):
                 recent = [r for r in run.records if r.start_s >= run.now_s() - 2]
                 share = cohort_share(recent, 0, float("inf")).get("canary", 0.0)
@@ -175,7 +229,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
             verdicts_shown = len(verdicts)
             return bool(view.get("finished"))
 
-        wait_until(progress, 150, "the rollout to finish", every=0.5)
+        wait_until(progress, 180, "the rollout to finish", every=0.5)
         final = status()
         final_phase = final.get("phase")
         _echo(f"== rollout finished: {final_phase} ({final.get('reason')})")
@@ -213,7 +267,8 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         workdir / "timeline.png",
         weights=timeline.weights,
         phases=timeline.labels(),
-        title=f"rollout demo: {BASELINE} -> {CANDIDATE} -> rollback",
+        title=f"rollout demo: {BROKEN_CANDIDATE} stopped in shadow; {BASELINE} -> {CANDIDATE} "
+        "-> rollback",
     )
     (workdir / "records.json").write_text(json.dumps([r.__dict__ for r in records]))
 
@@ -236,6 +291,12 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
     _echo(f"   took {time.monotonic() - started:.0f}s")
 
     result = {
+        "shadow_stopped": {
+            "candidate": BROKEN_CANDIDATE,
+            "phase": broken.get("phase"),
+            "answers_to_users": broken_answers,
+            "shadow": broken.get("shadow"),
+        },
         "requests": summary.requests,
         "non_2xx": summary.non_2xx,
         "failovers": summary.failovers,
@@ -247,7 +308,13 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         "timeline": str(picture),
     }
     click.echo(json.dumps(result, sort_keys=True))
-    ok = summary.non_2xx == 0 and final_phase == "succeeded" and current_stable == BASELINE
+    ok = (
+        summary.non_2xx == 0
+        and final_phase == "succeeded"
+        and current_stable == BASELINE
+        and broken.get("phase") == "rolled_back"
+        and broken_answers == 0
+    )
     return 0 if ok else 1
 
 

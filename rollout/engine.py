@@ -43,11 +43,13 @@ from app.contracts import (
     CommandAccepted,
     ControllerSettings,
     ControllerStatus,
+    ExpectedDivergence,
     InstanceReport,
     RolloutSummary,
+    ShadowRouting,
     Target,
 )
-from app.errors import InvalidState, NotFound, RegistryUnavailable, RolloutSystemError
+from app.errors import ConfigError, InvalidState, NotFound, RegistryUnavailable, RolloutSystemError
 from app.registry import Registry, TargetRecord, open_registry
 from rollout import machine
 from rollout.analysis import WindowStats
@@ -63,6 +65,7 @@ from rollout.machine import (
     RecordAudit,
     ScaleCanary,
     SetCanaryTarget,
+    SetShadow,
     SetStableTarget,
     SetWeights,
 )
@@ -72,6 +75,7 @@ from rollout.reports import ReportStore, in_place_fits
 from rollout.serve_control import ServeUnreachable
 from rollout.serve_port import (
     CANARY_TARGET,
+    ROUTER_SHADOW,
     ROUTER_WEIGHT,
     STABLE_TARGET,
     HttpServePort,
@@ -79,11 +83,31 @@ from rollout.serve_port import (
     ServePort,
     ServeState,
 )
+from rollout.shadow_judge import expectation_applies
 from rollout.state import RolloutState
 from rollout.status_view import controller_status, fields_of, rollout_summary
 from rollout.targets import TargetBook, TargetConflict
 
 log = logging.getLogger(__name__)
+
+
+def routing_of(action: SetShadow) -> ShadowRouting:
+    if action.fraction_bp <= 0:
+        return ShadowRouting()  # off, and every other field back to its default
+    return ShadowRouting(
+        fraction_bp=action.fraction_bp,
+        max_in_flight=action.max_in_flight,
+        top_k=action.top_k,
+        rbo_p=action.rbo_p,
+    )
+
+
+def shadow_routing(state: RolloutState) -> ShadowRouting:
+    """What the router should mirror for ``state``: the plan's shadow while it is on."""
+    shadow = state.plan.shadow
+    if shadow is None or state.shadow_bp <= 0 or state.phase.is_terminal:
+        return ShadowRouting()
+    return routing_of(SetShadow(state.shadow_bp, shadow.max_in_flight, shadow.top_k, shadow.rbo_p))
 
 
 class RolloutEngine:
@@ -162,7 +186,8 @@ class RolloutEngine:
                 canary = self.targets.current(CANARY)
             targets[CANARY] = canary.target() if canary is not None else None
             bp = live.state.weights.canary_bp if live is not None else 0
-            changed = self.serve.write(ServeChange(targets=targets, canary_bp=bp))
+            shadow = shadow_routing(live.state) if live is not None else ShadowRouting()
+            changed = self.serve.write(ServeChange(targets=targets, canary_bp=bp, shadow=shadow))
         lines = []
         if STABLE_TARGET in changed and stable is not None:
             lines.append(f"stable target -> {stable.artifact_id} (rev {stable.revision})")
@@ -174,6 +199,8 @@ class RolloutEngine:
             )
         if ROUTER_WEIGHT in changed:
             lines.append(f"router canary weight -> {bp} bp")
+        if ROUTER_SHADOW in changed:
+            lines.append(f"router shadow mirroring -> {shadow.fraction_bp} bp")
         for line in lines:
             log.warning("drift repaired: %s", line)
         return lines
@@ -213,6 +240,24 @@ class RolloutEngine:
                     f"{candidate_artifact_id} is already the stable target: nothing to roll out"
                 )
             rollout_id = rollout_id or f"{candidate_artifact_id}-{uuid.uuid4().hex[:6]}"
+            expected, note = None, ""
+            if plan.shadow is not None:
+                try:
+                    recorded = ExpectedDivergence.from_metadata(artifact.metadata)
+                except ConfigError as exc:
+                    raise InvalidState(
+                        f"{candidate_artifact_id}: its manifest's {exc} (re-record it with "
+                        "rollout replay)"
+                    ) from None
+                applies, note = expectation_applies(
+                    recorded,
+                    plan.shadow,
+                    baseline_artifact_id=baseline.artifact_id,
+                    baseline_manifest_sha256=baseline.manifest_sha256,
+                )
+                if applies:
+                    assert recorded is not None
+                    expected, note = recorded.model_dump(mode="json"), ""
             state = RolloutState.new(
                 plan,
                 rollout_id=rollout_id,
@@ -220,6 +265,8 @@ class RolloutEngine:
                 candidate_artifact_id=candidate_artifact_id,
                 baseline_artifact_id=baseline.artifact_id,
                 now=self.clock(),
+                shadow_expected=expected,
+                shadow_basis_note=note,
             )
             record = self.registry.create_rollout(
                 s.model,
@@ -396,6 +443,7 @@ class RolloutEngine:
             canary=canary,
             stable=stable,
             router_weights=serve.router_weights,
+            router_shadow_bp=serve.router_shadow_bp,
             window=window,
             in_place_fits=in_place_fits(
                 self.reports.reports_of(canary),
@@ -443,6 +491,15 @@ class RolloutEngine:
                     send()
                     self.serve.write(ServeChange(canary_bp=bp))
                     self._event("weights", f"canary {bp / 100:g}%", canary_bp=bp)
+                case SetShadow():
+                    send()
+                    self.serve.write(ServeChange(shadow=routing_of(action)))
+                    what = (
+                        f"mirroring {action.fraction_bp / 100:g}% of stable's requests"
+                        if action.fraction_bp
+                        else "mirroring off"
+                    )
+                    self._event("shadow_routing", what)
                 case SetCanaryTarget(artifact_id=None):
                     pending = pending.then(ServeChange(targets={CANARY: None}))
                 case SetCanaryTarget(artifact_id=str(artifact_id)):

@@ -113,6 +113,14 @@ class LocalStack:
             raise
         return cls(workdir, cluster, registry, registry_url, packed, controller)
 
+    def register(self, packed: PackResult) -> None:
+        """Register and approve one more artifact (the demo's shadow-phase candidates)."""
+        self.registry.register_artifact(packed.manifest_uri, packed.manifest_sha256)
+        self.registry.approve_artifact(
+            APP, packed.artifact_id, actor="demo", reason="offline eval ok"
+        )
+        self.packed[packed.artifact_id] = packed
+
     def call(self, method: str, *args: Any, timeout: float = 60) -> Any:
         import ray
 

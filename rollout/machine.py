@@ -8,10 +8,11 @@ tick, with a fake ``now``.
 
 Phases (see ``rollout.state.Phase``)::
 
-    pending -> preparing -> progressing(step 0..n-1) -> promoting -> finalising -> succeeded
-                  |              |    ^                     |
-                  |            paused (gates, operator)     |
-                  +--------------+----------+---------------+--> rolled_back | failed | aborted
+    pending -> preparing -> [shadowing] -> progressing(step 0..n-1) -> promoting -> finalising
+                  |              |              |    ^                     |       -> succeeded
+                  |              |            paused (gates, operator)     |
+                  +--------------+--------------+----------+---------------+--> rolled_back |
+                                                                               failed | aborted
 
 Invariants:
 - Every exit other than success (rollback, failure, abort) emits ``SetWeights`` to stable 100%
@@ -30,6 +31,11 @@ Invariants:
   at once (its evidence already spans every window so far), a passing one completes the
   step, and the evidence carries on into the next step. A sample-ratio mismatch holds the
   rollout and raises one alert.
+- Shadow phase (a plan with ``shadow``): the canary carries no user traffic; the router is
+  told to mirror a fraction of stable's requests to it, and windows of comparisons are judged
+  only once the router is observed mirroring (``shadow_live_at``). A failed shadow gate rolls
+  back before any user is answered by the candidate; mirroring is turned off before the first
+  live step and on every exit.
 - Actions are declarative (desired values, not deltas) and ``advance`` is deterministic, so a
   controller that crashes after acting but before persisting re-runs ``advance`` from the old
   state and repeats the same actions harmlessly; re-running it on the new state with the same
@@ -42,9 +48,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from app.contracts import ReplicaPhase
+from app.contracts import ExpectedDivergence, ReplicaPhase
 from rollout.analysis import Outcome, Verdict, WindowStats, judge
 from rollout.sequential import SAMPLE_RATIO, JudgeLevels, enabled_checks, judge_sequential
+from rollout.shadow_judge import judge_shadow, new_shadow_evidence
 from rollout.state import (
     GATE_OPERATOR,
     GATE_PROMOTION,
@@ -143,6 +150,7 @@ class Observations:
     - ``commands``: operator commands received since the last tick, in order.
     - ``in_place_fits``: whether the memory budget allows the stable pool to hold the baseline
       and the candidate at once (None: unknown, treated as no).
+    - ``router_shadow_bp``: the mirrored fraction the router applies (None: unknown).
     """
 
     canary: PoolView = PoolView()
@@ -151,6 +159,7 @@ class Observations:
     window: WindowStats | None = None
     commands: tuple[OperatorCommand, ...] = ()
     in_place_fits: bool | None = None
+    router_shadow_bp: int | None = None
 
 
 # --------------------------------------------------------------------------- actions
@@ -176,6 +185,19 @@ class SetWeights:
     @property
     def weights(self) -> Weights:
         return Weights(self.stable_bp, self.canary_bp)
+
+
+@dataclass(frozen=True)
+class SetShadow:
+    """Mirror ``fraction_bp`` of stable's requests to the canary (0: stop mirroring)."""
+
+    fraction_bp: int
+    max_in_flight: int = 16
+    top_k: int = 10
+    rbo_p: float = 0.9
+
+
+SHADOW_OFF = SetShadow(0)
 
 
 @dataclass(frozen=True)
@@ -206,7 +228,16 @@ class Finish:
     reason: str
 
 
-Action = SetCanaryTarget | SetStableTarget | SetWeights | ScaleCanary | RecordAudit | Alert | Finish
+Action = (
+    SetCanaryTarget
+    | SetStableTarget
+    | SetWeights
+    | SetShadow
+    | ScaleCanary
+    | RecordAudit
+    | Alert
+    | Finish
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -226,13 +257,12 @@ def canary_replicas_for(state: RolloutState, canary_bp: int) -> int:
 
 def next_window(state: RolloutState, now: float) -> tuple[float, float] | None:
     """The window the controller should measure now, or None when none is due: it starts
-    when the router began applying the current weights (or at the end of the last judged
-    window, if later) and must be at least ``interval_s`` long."""
-    if state.phase not in (Phase.PROGRESSING, Phase.PAUSED) or state.weights.canary_bp == 0:
+    when the router began applying the current weights (in the shadow phase: mirroring), or at
+    the end of the last judged window if later, and must be at least ``interval_s`` long."""
+    live_at = _live_since(state)
+    if live_at is None:
         return None
-    if state.weights_live_at is None:
-        return None
-    start = state.weights_live_at
+    start = live_at
     if state.last_analysis_at is not None:
         start = max(start, state.last_analysis_at)
     if now - start < state.plan.interval_s:
@@ -254,11 +284,22 @@ def held(state: RolloutState, seconds: float) -> RolloutState:
     )
 
 
+def _live_since(state: RolloutState) -> float | None:
+    """Since when the router applies what the current phase measures (None: not yet, or
+    nothing to measure)."""
+    if state.phase is Phase.SHADOWING:
+        return state.shadow_live_at if state.shadow_bp > 0 else None
+    if state.phase not in (Phase.PROGRESSING, Phase.PAUSED) or state.weights.canary_bp == 0:
+        return None
+    return state.weights_live_at
+
+
 def _is_fresh(state: RolloutState, window: WindowStats | None) -> bool:
-    if window is None or state.weights_live_at is None or state.weights.canary_bp == 0:
+    live_at = _live_since(state)
+    if window is None or live_at is None:
         return False
-    if window.start < state.weights_live_at:
-        return False  # part of it was measured under other weights
+    if window.start < live_at:
+        return False  # part of it was measured under other weights (or without mirroring)
     if state.last_analysis_at is not None and window.start < state.last_analysis_at:
         return False  # already judged (a replay) or overlapping the last one
     return window.duration_s >= state.plan.interval_s
@@ -291,6 +332,12 @@ class _Tick:
             self.s.weights = weights
             self.s.weights_live_at = None
 
+    def set_shadow(self, action: SetShadow) -> None:
+        if action.fraction_bp != self.s.shadow_bp:
+            self.emit(action)
+            self.s.shadow_bp = action.fraction_bp
+            self.s.shadow_live_at = None
+
     def scale_canary(self, replicas: int) -> None:
         if replicas != self.s.canary_replicas:
             self.emit(ScaleCanary(replicas))
@@ -303,6 +350,12 @@ class _Tick:
     def note_router(self) -> None:
         if self.s.weights_live_at is None and self.obs.router_weights == self.s.weights:
             self.s.weights_live_at = self.now
+        if (
+            self.s.shadow_bp > 0
+            and self.s.shadow_live_at is None
+            and self.obs.router_shadow_bp == self.s.shadow_bp
+        ):
+            self.s.shadow_live_at = self.now
 
     def overdue(self, since: float | None) -> bool:
         return since is not None and self.now - since > self.s.plan.progress_deadline_s
@@ -321,6 +374,7 @@ class _Tick:
         self.emit(set_weights(Weights.stable_only()))
         self.s.weights = Weights.stable_only()
         self.s.weights_live_at = None
+        self.set_shadow(SHADOW_OFF)
         if self.s.stable_target != self.s.baseline_artifact_id:
             self.emit(SetStableTarget(self.s.baseline_artifact_id))
             self.s.stable_target = self.s.baseline_artifact_id
@@ -368,7 +422,7 @@ class _Tick:
                 pass  # already paused: a repeated pause changes nothing
             case Resume() if phase is Phase.PAUSED:
                 self.resume()
-            case Promote() if phase in (Phase.PROGRESSING, Phase.PAUSED):
+            case Promote() if phase in (Phase.PROGRESSING, Phase.PAUSED, Phase.SHADOWING):
                 self.audit("promote", f"promotion requested by operator at {self.where()}")
                 self.start_promotion()
             case _:
@@ -417,7 +471,10 @@ class _Tick:
             return
         if self.obs.canary.all_ready_on(s.candidate_artifact_id, at_least=s.canary_replicas or 1):
             self.audit("canary_ready", f"every canary replica serves {s.candidate_artifact_id}")
-            self.after_step(-1)
+            if s.plan.shadow is not None:
+                self.enter_shadow()
+            else:
+                self.after_step(-1)
             return
         if self.overdue(s.phase_entered_at):
             ready = self.obs.canary.ready_on(s.candidate_artifact_id)
@@ -426,6 +483,57 @@ class _Tick:
                 f"canary not ready within the progress deadline "
                 f"({s.plan.progress_deadline_s:g}s): {ready} of {s.canary_replicas} replicas "
                 f"serve {s.candidate_artifact_id}",
+            )
+
+    # ---- the shadow phase ----------------------------------------------------------------
+
+    def enter_shadow(self) -> None:
+        s = self.s
+        shadow = s.plan.shadow
+        assert shadow is not None
+        self.enter(Phase.SHADOWING)
+        expected = None
+        if s.shadow_expected is not None:
+            expected = ExpectedDivergence.model_validate(s.shadow_expected)
+        s.shadow_evidence = new_shadow_evidence(shadow, expected, s.shadow_basis_note)
+        self.set_shadow(
+            SetShadow(
+                shadow.fraction_bp,
+                max_in_flight=shadow.max_in_flight,
+                top_k=shadow.top_k,
+                rbo_p=shadow.rbo_p,
+            )
+        )
+        self.audit(
+            "shadow",
+            f"mirroring {shadow.fraction * 100:g}% of stable's requests to the canary "
+            f"(no user traffic); gate: {s.shadow_evidence.basis}",
+        )
+
+    def shadowing(self) -> None:
+        s = self.s
+        if self.canary_failed():
+            return
+        verdict = self.judge_window()
+        if s.phase is not Phase.SHADOWING:
+            return  # the judge withdrew the rollout
+        if verdict is not None and verdict.outcome is Outcome.PASS:
+            self.set_shadow(SHADOW_OFF)
+            self.audit("shadow_passed", f"shadow: {verdict.summary()}")
+            self.after_step(-1)
+            return
+        if self.overdue(s.phase_entered_at):
+            ev = s.shadow_evidence
+            seen = (
+                f"{ev.compared} copies compared, {ev.dropped} dropped, {ev.errors} unanswered"
+                if ev is not None
+                else "nothing compared"
+            )
+            self.withdraw(
+                Phase.ROLLED_BACK,
+                f"shadow comparison not conclusive within the progress deadline "
+                f"({s.plan.progress_deadline_s:g}s): {seen}; router "
+                f"{'confirmed' if s.shadow_live_at is not None else 'not confirmed'} mirroring",
             )
 
     def after_step(self, index: int) -> None:
@@ -515,7 +623,24 @@ class _Tick:
             return None
         assert window is not None
         evidence: tuple[EvidenceRecord, ...] = ()
-        if s.plan.judge == "sequential":
+        if s.phase is Phase.SHADOWING:
+            assert s.shadow_evidence is not None
+            verdict, s.shadow_evidence = judge_shadow(
+                window.shadow_of(s.candidate_artifact_id), s.shadow_evidence, s.plan
+            )
+            fail_at = len(s.shadow_evidence.bounds) / s.plan.alpha
+            evidence = tuple(
+                EvidenceRecord(
+                    check=c.name,
+                    against=capped(c.evidence_against),
+                    supporting=None if c.evidence_for is None else capped(c.evidence_for),
+                    fail_at=fail_at,
+                    pass_at=1 / s.plan.beta,
+                )
+                for c in verdict.checks
+                if c.evidence_against is not None
+            )
+        elif s.plan.judge == "sequential":
             verdict, s.evidence = judge_sequential(
                 window, s.evidence, s.plan, canary_bp=s.weights.canary_bp
             )
@@ -563,7 +688,12 @@ class _Tick:
             s.inconclusive_windows += 1
         elif verdict.outcome is Outcome.FAIL:
             s.failed_checks += 1
-            if s.plan.judge == "sequential":
+            if s.phase is Phase.SHADOWING:
+                self.withdraw(
+                    Phase.ROLLED_BACK,
+                    "shadow divergence before any user traffic: " + "; ".join(verdict.reasons),
+                )
+            elif s.plan.judge == "sequential":
                 self.withdraw(
                     Phase.ROLLED_BACK,
                     f"evidence against the canary at {self.where()}: " + "; ".join(verdict.reasons),
@@ -578,6 +708,7 @@ class _Tick:
 
     def start_promotion(self) -> None:
         s = self.s
+        self.set_shadow(SHADOW_OFF)  # an operator's promote during the shadow phase
         self.enter(Phase.PROMOTING)
         s.pending_gate = None
         strategy = s.plan.promotion
@@ -656,6 +787,7 @@ class _Tick:
         handlers = {
             Phase.PENDING: self.pending,
             Phase.PREPARING: self.preparing,
+            Phase.SHADOWING: self.shadowing,
             Phase.PROGRESSING: self.progressing,
             Phase.PAUSED: self.paused,
             Phase.PROMOTING: self.promoting,
@@ -701,6 +833,7 @@ __all__ = [
     "Rollback",
     "ScaleCanary",
     "SetCanaryTarget",
+    "SetShadow",
     "SetStableTarget",
     "SetWeights",
     "advance",

@@ -28,11 +28,29 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
 from app.contracts import COHORTS
-from rollout.analysis import CohortStats, WindowStats, quantile_from_buckets
+from rollout.analysis import CohortStats, ShadowStats, WindowStats, quantile_from_buckets
 
 REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter")
 LATENCY_SERIES = telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram")
 OK_OUTCOME = "ok"
+# Shadow traffic (the router's comparisons of mirrored copies).
+SHADOW_REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_SHADOW_REQUESTS, kind="counter")
+SHADOW_RBO_SERIES = telemetry.exported_name(telemetry.ROUTER_SHADOW_RBO, kind="histogram")
+SHADOW_OVERLAP_SERIES = telemetry.exported_name(telemetry.ROUTER_SHADOW_OVERLAP, kind="histogram")
+SHADOW_SCORE_DIFF_SERIES = telemetry.exported_name(
+    telemetry.ROUTER_SHADOW_SCORE_DIFF, kind="histogram"
+)
+SHADOW_TOP1_SERIES = telemetry.exported_name(telemetry.ROUTER_SHADOW_TOP1_CHANGED, kind="counter")
+SCRAPED_SERIES = (
+    REQUESTS_SERIES,
+    LATENCY_SERIES + "_bucket",
+    SHADOW_REQUESTS_SERIES,
+    SHADOW_RBO_SERIES + "_sum",
+    SHADOW_RBO_SERIES + "_count",
+    SHADOW_OVERLAP_SERIES + "_sum",
+    SHADOW_SCORE_DIFF_SERIES + "_bucket",
+    SHADOW_TOP1_SERIES,
+)
 
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -68,6 +86,57 @@ class CohortCounts:
         )
 
 
+@dataclass
+class ShadowCounts:
+    """Increases over one window of one canary artifact's comparisons."""
+
+    compared: float = 0.0
+    rbo_sum: float = 0.0
+    overlap_sum: float = 0.0
+    top1_changed: float = 0.0
+    score_diff_buckets: dict[float, float] = field(default_factory=lambda: defaultdict(float))
+
+    def to_stats(self) -> ShadowStats:
+        compared = round(self.compared)
+        return ShadowStats(
+            compared=compared,
+            # Sums of values in [0, 1] over the compared copies: within [0, compared].
+            rbo_sum=min(max(self.rbo_sum, 0.0), compared),
+            overlap_sum=min(max(self.overlap_sum, 0.0), compared),
+            top1_changed=min(max(round(self.top1_changed), 0), compared),
+            max_score_diff_p99=quantile_from_buckets(0.99, self.score_diff_buckets),
+        )
+
+
+@dataclass
+class ShadowWindow:
+    by_artifact: dict[str, ShadowCounts] = field(default_factory=lambda: defaultdict(ShadowCounts))
+    outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, name: str, labels: Mapping[str, str], value: float) -> bool:
+        """Count one series' increase if it is a shadow series; False if it is not."""
+        if name == SHADOW_REQUESTS_SERIES:
+            self.outcomes[labels.get(telemetry.OUTCOME, "")] += value
+            return True
+        artifact = labels.get(telemetry.ARTIFACT)
+        if artifact is None:
+            return False
+        counts = self.by_artifact[artifact]
+        if name == SHADOW_RBO_SERIES + "_count":
+            counts.compared += value
+        elif name == SHADOW_RBO_SERIES + "_sum":
+            counts.rbo_sum += value
+        elif name == SHADOW_OVERLAP_SERIES + "_sum":
+            counts.overlap_sum += value
+        elif name == SHADOW_TOP1_SERIES:
+            counts.top1_changed += value
+        elif name == SHADOW_SCORE_DIFF_SERIES + "_bucket":
+            counts.score_diff_buckets[float(labels["le"])] += value
+        else:
+            return False
+        return True
+
+
 def parse_exposition(text: str, wanted: Iterable[str]) -> dict[SeriesKey, float]:
     """The samples named in ``wanted`` from Prometheus text, keyed by name + full label set."""
     names = set(wanted)
@@ -96,6 +165,18 @@ def window_increase(previous: MetricsSnapshot, current: MetricsSnapshot) -> dict
     return increases
 
 
+def shadow_window(
+    increases: Mapping[SeriesKey, float], *, application: str | None = None
+) -> ShadowWindow:
+    window = ShadowWindow()
+    for (name, label_items), value in increases.items():
+        labels = dict(label_items)
+        if application is not None and labels.get("application", application) != application:
+            continue
+        window.add(name, labels, value)
+    return window
+
+
 def cohort_window(
     increases: Mapping[SeriesKey, float], *, application: str | None = None
 ) -> dict[str, CohortCounts]:
@@ -115,14 +196,27 @@ def cohort_window(
     return by_cohort
 
 
-def to_window(counts: Mapping[str, CohortCounts], start: float, end: float) -> WindowStats:
+def to_window(
+    counts: Mapping[str, CohortCounts],
+    start: float,
+    end: float,
+    shadow: ShadowWindow | None = None,
+) -> WindowStats:
     def stats(cohort: str) -> CohortStats | None:
         c = counts.get(cohort)
         if c is None or not c.outcomes:
             return None
         return c.to_stats()
 
-    return WindowStats(start=start, end=end, canary=stats("canary"), stable=stats("stable"))
+    shadow = shadow or ShadowWindow()
+    return WindowStats(
+        start=start,
+        end=end,
+        canary=stats("canary"),
+        stable=stats("stable"),
+        shadow={a: c.to_stats() for a, c in shadow.by_artifact.items() if c.compared > 0},
+        shadow_outcomes={o: round(n) for o, n in shadow.outcomes.items() if round(n) > 0},
+    )
 
 
 def ray_metrics_endpoints() -> list[str]:
@@ -154,7 +248,7 @@ class RayScrapeSource:
         self._client = httpx.Client(timeout=timeout_s)
 
     def snapshot(self) -> MetricsSnapshot:
-        wanted = (REQUESTS_SERIES, LATENCY_SERIES + "_bucket")
+        wanted = SCRAPED_SERIES
         values: dict[SeriesKey, float] = {}
         errors = []
         endpoints = list(self._endpoints())
@@ -195,8 +289,11 @@ class SnapshotWindows:
         last = next((s for s in reversed(self._snapshots) if s.taken_at <= end), None)
         if first is None or last is None or last.taken_at <= first.taken_at:
             return None
-        counts = cohort_window(window_increase(first, last), application=self.source.application)
-        return to_window(counts, first.taken_at, last.taken_at)
+        increases = window_increase(first, last)
+        application = self.source.application
+        counts = cohort_window(increases, application=application)
+        shadow = shadow_window(increases, application=application)
+        return to_window(counts, first.taken_at, last.taken_at, shadow)
 
     def close(self) -> None:
         self.source.close()
@@ -254,7 +351,25 @@ class PromQLSource:
             cohort = row["metric"].get("cohort")
             if cohort in counts:
                 counts[cohort].buckets[float(row["metric"]["le"])] += float(row["value"][1])
-        return to_window(counts, start, end)
+        return to_window(counts, start, end, self._shadow_between(span, end))
+
+    def _shadow_between(self, span: str, end: float) -> ShadowWindow:
+        """The shadow comparisons over the same range: one query per series, summed by the
+        labels the judge reads (a series nobody exports gives no rows: no copies)."""
+        sel = self._selector()
+        shadow = ShadowWindow()
+        series = [
+            (SHADOW_REQUESTS_SERIES, "outcome"),
+            (SHADOW_RBO_SERIES + "_count", "artifact"),
+            (SHADOW_RBO_SERIES + "_sum", "artifact"),
+            (SHADOW_OVERLAP_SERIES + "_sum", "artifact"),
+            (SHADOW_TOP1_SERIES, "artifact"),
+            (SHADOW_SCORE_DIFF_SERIES + "_bucket", "artifact, le"),
+        ]
+        for name, by in series:
+            for row in self.query(f"sum by ({by}) (increase({name}{sel}[{span}]))", end):
+                shadow.add(name, row["metric"], float(row["value"][1]))
+        return shadow
 
     def observe(self) -> None:
         """Nothing to keep: Prometheus holds the history."""

@@ -56,6 +56,16 @@ DEFAULT_BETA: Final = 0.05
 # fall under the weight.
 DEFAULT_SAMPLE_RATIO_TOLERANCE: Final = 0.5
 
+# The shadow phase (off unless a plan has a ``shadow`` block): see ShadowPlan.
+DEFAULT_SHADOW_FRACTION: Final = 0.1
+DEFAULT_SHADOW_MAX_IN_FLIGHT: Final = 16
+DEFAULT_SHADOW_MIN_COMPARED: Final = 200
+DEFAULT_SHADOW_TOP_K: Final = 10
+DEFAULT_SHADOW_RBO_P: Final = 0.9
+DEFAULT_SHADOW_RBO_MEAN_MIN: Final = 0.9
+DEFAULT_SHADOW_TOP1_CHANGE_MAX: Final = 0.1
+DEFAULT_SHADOW_TOLERANCE: Final = 0.05
+
 PromotionStrategy = Literal["shift", "in_place"]
 JudgeName = Literal["sequential", "threshold"]
 
@@ -105,6 +115,47 @@ class AnalysisChecks(BaseModel):
         ):
             raise ValueError("at least one check must be enabled (all are null)")
         return self
+
+
+class ShadowPlan(BaseModel):
+    """The shadow phase: after the canary is ready and before its first live step, it gets
+    no user traffic while the router copies ``fraction`` of stable's requests to it (users
+    sampled by key, off the client's path, at most ``max_in_flight`` copies at once: the
+    rest are dropped and counted) and compares the two rankings (``top_k`` overlap,
+    rank-biased overlap with ``rbo_p``, top-1 change).
+
+    The gate, decided with the same anytime-valid evidence as the live checks
+    (rollout/shadow_judge.py):
+    - with the candidate's ``metadata.expected_divergence`` recorded against this rollout's
+      baseline (same ``top_k`` and ``rbo_p``): mean RBO and the top-1 change rate must lie
+      within ``tolerance`` of what was recorded, on either side (a candidate that suddenly
+      ranks like the baseline is as wrong as one that ranks like nothing);
+    - otherwise: mean RBO >= ``rbo_mean_min`` and top-1 change rate <= ``top1_change_max``.
+    The phase passes once every bound is shown with at least ``min_compared`` copies
+    compared, and fails as soon as the evidence against one crosses; only the progress
+    deadline bounds waiting (a canary too busy to answer copies cannot pass)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fraction: float = Field(default=DEFAULT_SHADOW_FRACTION, gt=0.0, le=1.0)
+    max_in_flight: int = Field(default=DEFAULT_SHADOW_MAX_IN_FLIGHT, ge=1, le=10_000)
+    min_compared: int = Field(default=DEFAULT_SHADOW_MIN_COMPARED, ge=1)
+    top_k: int = Field(default=DEFAULT_SHADOW_TOP_K, ge=1, le=2048)
+    rbo_p: float = Field(default=DEFAULT_SHADOW_RBO_P, gt=0.0, lt=1.0)
+    rbo_mean_min: float = Field(default=DEFAULT_SHADOW_RBO_MEAN_MIN, gt=0.0, lt=1.0)
+    top1_change_max: float = Field(default=DEFAULT_SHADOW_TOP1_CHANGE_MAX, gt=0.0, lt=1.0)
+    tolerance: float = Field(default=DEFAULT_SHADOW_TOLERANCE, gt=0.0, lt=1.0)
+
+    @field_validator("fraction")
+    @classmethod
+    def _whole_basis_points(cls, fraction: float) -> float:
+        if abs(fraction * 10_000 - round(fraction * 10_000)) > 1e-6 or round(fraction * 10_000) < 1:
+            raise ValueError(f"{fraction} is not a whole number of basis points (0.0001)")
+        return fraction
+
+    @property
+    def fraction_bp(self) -> int:
+        return round(self.fraction * 10_000)
 
 
 class Gates(BaseModel):
@@ -170,6 +221,7 @@ class RolloutPlan(BaseModel):
       window resets the count.
     - ``progress_deadline_s``: longest time a phase or step may wait for progress (replicas
       ready, a conclusive passing window, promotion complete); past it the rollout is withdrawn.
+    - ``shadow``: a shadow phase before the first step (``ShadowPlan``); None: none.
     - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
       traffic, then traffic returns to stable) or ``in_place`` (stable hot-swaps while serving;
       used only when the memory budget is observed to allow it, otherwise ``shift``).
@@ -191,6 +243,7 @@ class RolloutPlan(BaseModel):
     promotion: PromotionStrategy = "shift"
     gates: Gates = Field(default_factory=Gates)
     canary_scaling: CanaryScaling = Field(default_factory=CanaryScaling)
+    shadow: ShadowPlan | None = None
 
     @field_validator("steps")
     @classmethod

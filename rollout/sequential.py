@@ -96,13 +96,17 @@ def _mixture_log_factors(successes: int, trials: int, p0: float, odds: Sequence[
 class RateEvidence:
     """One mixture e-process for a Bernoulli rate: ``above`` tests the null "rate <= bound"
     (evidence that the rate is above it), otherwise the null "rate >= bound". ``log_wealth``
-    holds each alternative's running log likelihood ratio."""
+    holds each alternative's running log likelihood ratio. ``grid`` replaces the default
+    alternatives (``AGAINST_ODDS`` / ``FOR_ODDS``) for a test whose effects are finer."""
 
     above: bool
     log_wealth: list[float] = field(default_factory=list)
+    grid: tuple[float, ...] | None = None
 
     @property
     def odds(self) -> tuple[float, ...]:
+        if self.grid is not None:
+            return self.grid
         return AGAINST_ODDS if self.above else FOR_ODDS
 
     def update(self, successes: int, trials: int, bound: float) -> None:
@@ -130,15 +134,23 @@ class RateEvidence:
 
     def to_dict(self) -> dict[str, Any]:
         # -inf (an alternative ruled out for good) is not JSON: stored as null.
-        return {
+        data: dict[str, Any] = {
             "above": self.above,
             "log_wealth": [None if w == -math.inf else w for w in self.log_wealth],
         }
+        if self.grid is not None:
+            data["grid"] = list(self.grid)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RateEvidence:
         wealth = [-math.inf if w is None else float(w) for w in data.get("log_wealth", [])]
-        return cls(above=bool(data["above"]), log_wealth=wealth)
+        grid = data.get("grid")
+        return cls(
+            above=bool(data["above"]),
+            log_wealth=wealth,
+            grid=None if grid is None else tuple(float(g) for g in grid),
+        )
 
 
 @dataclass

@@ -31,6 +31,7 @@ from app.contracts import (
     ControllerSettings,
     ReplicaConfig,
     RouterConfig,
+    ShadowRouting,
     Target,
 )
 from app.errors import ConfigError
@@ -44,6 +45,7 @@ ROUTER: Final = "router"
 STABLE_TARGET: Final = "stable.target"
 CANARY_TARGET: Final = "canary.target"
 ROUTER_WEIGHT: Final = "router.canary_bp"
+ROUTER_SHADOW: Final = "router.shadow"
 CANARY_REPLICAS: Final = "canary.num_replicas"
 _TARGET_CHANGE: Final[dict[Cohort, str]] = {STABLE: STABLE_TARGET, CANARY: CANARY_TARGET}
 
@@ -91,17 +93,27 @@ class ServeState:
     def cohort(self, cohort: Cohort) -> DeploymentState | None:
         return self.stable if cohort == STABLE else self.canary
 
-    @property
-    def router_weights(self) -> Weights | None:
-        """The weights the router applies: its user_config once every replica has it."""
+    def _router_config(self) -> RouterConfig | None:
+        """The router's user_config once every replica has it (None: unknown)."""
         router = self.router
         if router is None or not router.settled:
             return None
         try:
-            config = RouterConfig.from_user_config(router.applied_user_config or {})
+            return RouterConfig.from_user_config(router.applied_user_config or {})
         except ConfigError:
-            return None  # not a config the router would run: its weights are unknown
-        return Weights.with_canary(config.canary_bp)
+            return None  # not a config the router would run: what it applies is unknown
+
+    @property
+    def router_weights(self) -> Weights | None:
+        """The weights the router applies: its user_config once every replica has it."""
+        config = self._router_config()
+        return None if config is None else Weights.with_canary(config.canary_bp)
+
+    @property
+    def router_shadow_bp(self) -> int | None:
+        """The share of stable's requests the router mirrors to the canary (bp)."""
+        config = self._router_config()
+        return None if config is None else config.shadow.fraction_bp
 
 
 # --------------------------------------------------------------------------- writing
@@ -115,9 +127,15 @@ class ServeChange:
     targets: Mapping[Cohort, Target | None] = field(default_factory=dict)
     canary_bp: int | None = None
     canary_replicas: int | None = None
+    shadow: ShadowRouting | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.targets) or self.canary_bp is not None or self.canary_replicas is not None
+        return (
+            bool(self.targets)
+            or self.canary_bp is not None
+            or self.canary_replicas is not None
+            or self.shadow is not None
+        )
 
     def then(self, later: ServeChange) -> ServeChange:
         """This change followed by ``later``: where both set something, ``later`` wins."""
@@ -127,6 +145,7 @@ class ServeChange:
             canary_replicas=(
                 self.canary_replicas if later.canary_replicas is None else later.canary_replicas
             ),
+            shadow=self.shadow if later.shadow is None else later.shadow,
         )
 
 
@@ -140,10 +159,19 @@ def replica_user_config(
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
-def router_user_config(current: Mapping[str, Any] | None, canary_bp: int) -> dict[str, Any] | None:
-    """The router's whole user_config with ``canary_bp``; None when ``current`` says that."""
+def router_user_config(
+    current: Mapping[str, Any] | None,
+    canary_bp: int | None,
+    shadow: ShadowRouting | None = None,
+) -> dict[str, Any] | None:
+    """The router's whole user_config with ``canary_bp`` and ``shadow`` (None: as they are);
+    None when ``current`` already says that."""
     config = RouterConfig.from_user_config(current or {})
-    wanted = config.with_canary_bp(canary_bp)
+    wanted = config
+    if canary_bp is not None:
+        wanted = wanted.with_canary_bp(canary_bp)
+    if shadow is not None:
+        wanted = wanted.with_shadow(shadow)
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
@@ -249,10 +277,20 @@ class HttpServePort:
                 cohort, lambda cur, c=cohort, t=target: replica_user_config(cur, c, t)
             ):
                 changed.add(_TARGET_CHANGE[cohort])
-        if change.canary_bp is not None:
-            bp = change.canary_bp
-            if set_user_config(ROUTER, lambda cur: router_user_config(cur, bp)):
-                changed.add(ROUTER_WEIGHT)
+        if change.canary_bp is not None or change.shadow is not None:
+            bp, shadow = change.canary_bp, change.shadow
+            before = effective_user_config(
+                details,
+                deployment_entry(config, self.app, self.names[ROUTER], create=False),
+                self.app,
+                self.names[ROUTER],
+            )
+            if set_user_config(ROUTER, lambda cur: router_user_config(cur, bp, shadow)):
+                old = RouterConfig.from_user_config(before or {})
+                if bp is not None and old.canary_bp != bp:
+                    changed.add(ROUTER_WEIGHT)
+                if shadow is not None and old.shadow != shadow:
+                    changed.add(ROUTER_SHADOW)
         if change.canary_replicas is not None and self._scale(
             config, details, self.names[CANARY], change.canary_replicas
         ):

@@ -16,10 +16,12 @@ from app.contracts import RolloutPhase as Phase
 from rollout.analysis import Outcome
 from rollout.plan import RolloutPlan
 from rollout.sequential import SequentialEvidence
+from rollout.shadow_judge import ShadowEvidence
 
 # 2 added the sequential judge's evidence; a version 1 state (none yet) is read as having none.
-STATE_SCHEMA_VERSION: Final = 2
-READABLE_SCHEMA_VERSIONS: Final = (1, 2)
+# 3 added the shadow phase; a version 2 state (a plan without one) has no shadow fields.
+STATE_SCHEMA_VERSION: Final = 3
+READABLE_SCHEMA_VERSIONS: Final = (1, 2, 3)
 # E-values as records keep them: finite, so they stay valid JSON (PostgreSQL's jsonb refuses
 # Infinity); any value this large is far past every bound.
 EVIDENCE_CAP: Final = 1e15
@@ -121,6 +123,11 @@ class RolloutState:
       keys and the registry can drop the duplicates.
     - ``evidence`` is the sequential judge's evidence so far (None until its first window, and
       always with the threshold judge): it carries across steps and across restarts.
+    - Shadow phase: ``shadow_bp`` is the mirrored fraction last set on the router (0: off),
+      ``shadow_live_at`` when the router was first observed applying it; ``shadow_expected``
+      the candidate's recorded expectation when it applies to this baseline (the engine
+      decides at the start; ``shadow_basis_note`` says why not otherwise);
+      ``shadow_evidence`` what the gate has seen so far.
     """
 
     plan: RolloutPlan
@@ -148,6 +155,11 @@ class RolloutState:
     finished: bool = False
     audit_seq: int = 0
     evidence: SequentialEvidence | None = None
+    shadow_bp: int = 0
+    shadow_live_at: float | None = None
+    shadow_expected: dict[str, Any] | None = None
+    shadow_basis_note: str = ""
+    shadow_evidence: ShadowEvidence | None = None
 
     @classmethod
     def new(
@@ -159,6 +171,8 @@ class RolloutState:
         candidate_artifact_id: str,
         baseline_artifact_id: str,
         now: float,
+        shadow_expected: dict[str, Any] | None = None,
+        shadow_basis_note: str = "",
     ) -> RolloutState:
         if candidate_artifact_id == baseline_artifact_id:
             raise ValueError(
@@ -173,6 +187,8 @@ class RolloutState:
             created_at=now,
             phase_entered_at=now,
             stable_target=baseline_artifact_id,
+            shadow_expected=shadow_expected,
+            shadow_basis_note=shadow_basis_note,
         )
 
     @property
@@ -199,6 +215,9 @@ class RolloutState:
             for v in self.verdicts
         ]
         data["evidence"] = self.evidence.to_dict() if self.evidence is not None else None
+        data["shadow_evidence"] = (
+            self.shadow_evidence.to_dict() if self.shadow_evidence is not None else None
+        )
         return data
 
     @classmethod
@@ -230,4 +249,6 @@ class RolloutState:
         ]
         evidence = data.pop("evidence", None)
         data["evidence"] = SequentialEvidence.from_dict(evidence) if evidence else None
+        shadow = data.pop("shadow_evidence", None)
+        data["shadow_evidence"] = ShadowEvidence.from_dict(shadow) if shadow else None
         return cls(**data)

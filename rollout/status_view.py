@@ -26,6 +26,7 @@ from app.contracts import (
     ReplicaRow,
     RolloutEvent,
     RolloutSummary,
+    ShadowView,
     StandbyView,
     VerdictView,
     WeightsView,
@@ -76,6 +77,7 @@ def rollout_summary(
         held=None
         if held_since is None
         else HoldView(since=held_since, reason=clip_text(held_reason) or ""),
+        shadow=shadow_view(state),
         verdicts=tuple(
             VerdictView(
                 step=v.step_index,
@@ -86,6 +88,25 @@ def rollout_summary(
             for v in state.verdicts
         ),
         events=tuple(events[-SHOWN_EVENTS:]),
+    )
+
+
+def shadow_view(state: RolloutState) -> ShadowView | None:
+    evidence = state.shadow_evidence
+    if evidence is None:
+        return None
+    return ShadowView(
+        fraction_bp=state.shadow_bp,
+        live=state.shadow_live_at is not None,
+        basis=clip_text(evidence.basis),
+        compared=evidence.compared,
+        dropped=evidence.dropped,
+        errors=evidence.errors,
+        rbo_mean=evidence.rbo_mean,
+        overlap_mean=evidence.overlap_mean,
+        top1_change_rate=evidence.top1_change_rate,
+        max_score_diff_p99=evidence.max_score_diff_p99,
+        windows=evidence.windows,
     )
 
 
@@ -263,10 +284,11 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                 parts.append(f"{name} {c.rps}/s err {err} p99 {p99}")
         span = window.end - window.start
         lines.append(f"last window ({span:.0f}s): " + (" | ".join(parts) or "no traffic"))
+    if view.shadow is not None:
+        lines.append(view.shadow.describe())
     for verdict in view.verdicts:
-        lines.append(
-            f"  verdict step {verdict.step + 1}: {verdict.outcome}: " + "; ".join(verdict.reasons)
-        )
+        where = f"step {verdict.step + 1}" if verdict.step >= 0 else "shadow"
+        lines.append(f"  verdict {where}: {verdict.outcome}: " + "; ".join(verdict.reasons))
     if status is not None:
         for target in status.targets or ():
             lines.append(

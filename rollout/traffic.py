@@ -36,7 +36,7 @@ import httpx
 
 from app.client import AsyncRankerClient, RankerHTTPError, RetriesExhausted, RetryPolicy
 from app.contracts import CANARY, COHORTS
-from app.features import CONTEXT_FIELDS, NUM_FEATURES
+from app.request_bodies import DEFAULT_CANDIDATES, DEFAULT_SEED, DEFAULT_TOP_N, rank_bodies
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ class TrafficSpec:
     max_seconds: float = 60.0
     users: int = 1000
     user_prefix: str = "user"  # user keys are f"{user_prefix}-{n}", 0 <= n < users
-    candidates: int = 20
-    top_n: int = 10
-    seed: int = 7
+    candidates: int = DEFAULT_CANDIDATES
+    top_n: int = DEFAULT_TOP_N
+    seed: int = DEFAULT_SEED
     timeout_s: float = 10.0  # per HTTP attempt
     # None: a plain client. Else app.client.AsyncRankerClient with this policy.
     retry: RetryPolicy | None = None
@@ -85,21 +85,11 @@ def check_loopback(url: str) -> None:
 
 def _request_bodies(spec: TrafficSpec, count: int = 64) -> list[tuple[bytes, bytes]]:
     """Pre-encoded bodies (prefix, suffix) around the user id: JSON encoding per request would
-    cost the generator more CPU than the service it measures."""
-    rng = random.Random(spec.seed)
+    cost the generator more CPU than the service it measures. The bodies are
+    ``app.request_bodies.rank_bodies`` (which ``rollout replay`` sends offline too)."""
     bodies = []
-    for i in range(count):
-        candidates = []
-        for j in range(spec.candidates):
-            features: list[float | None] = [round(rng.gauss(0, 1), 4) for _ in range(NUM_FEATURES)]
-            if j % 7 == 0:
-                features[rng.randrange(NUM_FEATURES)] = None  # sparse inputs happen
-            candidates.append({"id": f"item-{i}-{j}", "features": features})
-        context = {name: rng.choice(f.values) for name, f in CONTEXT_FIELDS.items()}
-        rest = json.dumps(
-            {"context": context, "candidates": candidates, "top_n": spec.top_n},
-            separators=(",", ":"),
-        )
+    for body in rank_bodies(count, seed=spec.seed, candidates=spec.candidates, top_n=spec.top_n):
+        rest = json.dumps(body, separators=(",", ":"))
         bodies.append((b'{"user_id":"', b'",' + rest[1:].encode()))
     return bodies
 

@@ -79,6 +79,7 @@ BASELINE_ROUTER = {
     "draining": False,
     "allow_cohort_header": True,
     "failover": True,
+    "shadow": {},  # no mirroring
 }
 
 # The hot standby's application (tests/e2e/test_standby.py): stable, canary and a fallback.

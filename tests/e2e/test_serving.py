@@ -810,6 +810,9 @@ def test_every_metric_the_dashboard_queries_is_exported(serving: Cluster) -> Non
     assert len(queried) >= 10, queried
 
     set_weight(cluster, 5000)
+    # Every stable answer mirrored to the canary: the shadow panels' series.
+    cluster.set_router(shadow={"fraction_bp": 10_000})
+    wait_until(lambda: cluster.status()["shadow_bp"] == 10_000, 30, "router mirroring")
     rank_many(cluster, [f"obs-{i}" for i in range(40)])
     assert httpx.post(f"{cluster.http_url}/v1/rank", content=b"{").status_code == 422
     cluster.set_target("canary", cluster.target(build_bad(cluster, "good", "flip", 99)))

@@ -284,7 +284,7 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     summary_keys = {
         "rollout", "model", "candidate", "baseline", "phase", "finished", "step",
         "step_percent", "steps", "weights", "failed_checks", "reason", "pending_gate", "held",
-        "verdicts", "events",
+        "shadow", "verdicts", "events",
     }  # fmt: skip
     assert set(started) == summary_keys
     accepted = engine.command(Abort(reason="test"), actor="dave", reason="test")

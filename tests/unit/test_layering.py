@@ -27,11 +27,14 @@ PURE_MODULES = (
     "app.safe_text",
     "app.routing",
     "app.standby",
+    "app.divergence",
+    "app.shadow",
     "rollout.plan",
     "rollout.state",
     "rollout.machine",
     "rollout.analysis",
     "rollout.sequential",
+    "rollout.shadow_judge",
 )
 PURE_MUST_NOT_LOAD = ("ray", "torch", "psycopg", "psycopg_pool", "sqlite3", "_sqlite3")
 

@@ -35,6 +35,13 @@ KINDS = {
     telemetry.ROUTER_FALLBACK_READY: "gauge",
     telemetry.ROUTER_FALLBACK_ALLOWED: "gauge",
     telemetry.ROUTER_FALLBACK_WAITING: "gauge",
+    telemetry.ROUTER_SHADOW_REQUESTS: "counter",
+    telemetry.ROUTER_SHADOW_RBO: "histogram",
+    telemetry.ROUTER_SHADOW_OVERLAP: "histogram",
+    telemetry.ROUTER_SHADOW_SCORE_DIFF: "histogram",
+    telemetry.ROUTER_SHADOW_TOP1_CHANGED: "counter",
+    telemetry.ROUTER_SHADOW_IN_FLIGHT: "gauge",
+    telemetry.ROUTER_SHADOW_FRACTION_BP: "gauge",
 }
 RAY_BUILTINS = {"ray_serve_deployment_replica_healthy"}
 
@@ -56,7 +63,7 @@ def test_dashboard_queries_use_exported_metrics_only():
     known = exported_series()
     used = set()
     for expr in exprs:
-        for name in re.findall(r"\b(ray_[a-z_]+)\b", expr):
+        for name in re.findall(r"\b(ray_[a-z0-9_]+)\b", expr):
             assert name in known, f"{name} in {expr!r} is not exported by the service"
             used.add(name)
     # Everything the controller judges is on the dashboard, and how it judged it.
@@ -65,6 +72,18 @@ def test_dashboard_queries_use_exported_metrics_only():
     for name in telemetry.STANDBY_GAUGES:
         assert telemetry.exported_name(name, kind="gauge") in used, name
     assert telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter") in used
+    # And a panel per divergence measure of the shadow phase.
+    rbo = telemetry.exported_name(telemetry.ROUTER_SHADOW_RBO, kind="histogram")
+    overlap = telemetry.exported_name(telemetry.ROUTER_SHADOW_OVERLAP, kind="histogram")
+    diff = telemetry.exported_name(telemetry.ROUTER_SHADOW_SCORE_DIFF, kind="histogram")
+    for name in (
+        f"{rbo}_sum",
+        f"{overlap}_sum",
+        f"{diff}_bucket",
+        telemetry.exported_name(telemetry.ROUTER_SHADOW_TOP1_CHANGED, kind="counter"),
+        telemetry.exported_name(telemetry.ROUTER_SHADOW_REQUESTS, kind="counter"),
+    ):
+        assert name in used, name
     assert (
         telemetry.exported_name(telemetry.ROUTER_LATENCY_MS, kind="histogram") + "_bucket" in used
     )

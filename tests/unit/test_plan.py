@@ -7,6 +7,7 @@ from typing import Any
 
 import pydantic
 import pytest
+import yaml
 
 from app.errors import ConfigError
 from rollout.plan import RolloutPlan, load_plan, plan_from_mapping
@@ -138,3 +139,25 @@ def test_a_plan_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfesteps: [5]\n")
     with pytest.raises(ConfigError, match=r"not a UTF-8 text file \(byte 0\)"):
         load_plan(path)
+
+
+def test_a_shadow_block_is_validated_field_by_field() -> None:
+    plan = plan_from_mapping({"shadow": {}})
+    assert plan.shadow is not None and plan.shadow.fraction_bp == 1000
+    # The example in configs/rollout.yaml spells out the defaults.
+    text = (REPO / "configs" / "rollout.yaml").read_text()
+    example = "\n".join(
+        line.removeprefix("#   ") for line in text.splitlines() if line.startswith("#   ")
+    )
+    assert plan_from_mapping(yaml.safe_load(example)).shadow == plan.shadow
+    for bad, field in (
+        ({"fraction": 0}, "shadow.fraction"),
+        ({"fraction": 0.00005}, "shadow.fraction"),
+        ({"tolerance": 1.5}, "shadow.tolerance"),
+        ({"rbo_p": 1.0}, "shadow.rbo_p"),
+        ({"top_k": 0}, "shadow.top_k"),
+        ({"mirror": True}, "shadow.mirror"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            plan_from_mapping({"shadow": bad})
+        assert caught.value.ids.get("field") == field, (bad, caught.value)
