@@ -474,7 +474,9 @@ class ShadowRouting(Contract):
     is mirrored on every request or on none); the copy's answer goes to nobody and is only
     compared with stable's (``app.divergence``). At most ``max_in_flight`` copies are in
     flight at once: a copy that finds them all busy is dropped and counted, so a slow canary
-    costs the client nothing. ``top_k`` and ``rbo_p`` are the comparison's parameters."""
+    costs the client nothing. The bound is per router replica: the canary sees up to
+    ``router_replicas x max_in_flight`` copies. ``top_k`` and ``rbo_p`` are the comparison's
+    parameters."""
 
     fraction_bp: BasisPoints = 0
     max_in_flight: Annotated[int, Field(ge=1, le=10_000)] = 16
@@ -897,7 +899,8 @@ class RolloutEvent(Contract):
 
 class ShadowView(Contract):
     """The shadow phase as far as it went: how much is mirrored, what the comparisons saw
-    over the phase, and what the gate holds them to (``basis``)."""
+    over the phase (``max_score_diff_p99``: the last window's), and what the gate holds them
+    to (``basis``)."""
 
     fraction_bp: BasisPoints
     live: bool  # the router was observed mirroring
@@ -916,10 +919,13 @@ class ShadowView(Contract):
             return "-" if value is None else format(value, fmt)
 
         top1 = None if self.top1_change_rate is None else self.top1_change_rate * 100
-        state = "mirroring" if self.fraction_bp else "mirroring off"
-        live = "" if not self.fraction_bp else (" (live)" if self.live else " (not confirmed)")
+        if self.fraction_bp:
+            live = "live" if self.live else "not confirmed"
+            state = f"mirroring {self.fraction_bp / 100:g}% ({live})"
+        else:
+            state = "mirroring off"
         return (
-            f"shadow: {state} {self.fraction_bp / 100:g}%{live} | {self.compared} compared, "
+            f"shadow: {state} | {self.compared} compared, "
             f"{self.dropped} dropped, {self.errors} unanswered | mean RBO "
             f"{num(self.rbo_mean, '.3f')}, top-k overlap {num(self.overlap_mean, '.3f')}, "
             f"top-1 changed {num(top1, '.1f')}%"

@@ -68,7 +68,7 @@ class ShadowMirror:
         send: Callable[[WireRequest], Awaitable[Answer]],
         *,
         on_compared: Callable[[Comparison], None],
-        timeout_s: float = 30.0,
+        timeout_s: float | None = 30.0,
     ) -> None:
         self._send = send
         self._on_compared = on_compared
@@ -108,16 +108,26 @@ class ShadowMirror:
     async def _mirror(self, request: WireRequest, stable_meta: ModelMeta, stable: Ranking) -> None:
         config = self.config
         try:
-            meta, ranking = await asyncio.wait_for(self._send(request), self.timeout_s)
+            # ``timeout_s`` None: the sender bounds the call (the router's does, from the
+            # moment the call goes out), and the copy keeps its slot until the call is over,
+            # so the bound holds at the canary too.
+            sent = self._send(request)
+            meta, ranking = await (
+                sent if self.timeout_s is None else asyncio.wait_for(sent, self.timeout_s)
+            )
         except Exception:
             self._count(ERROR)
             return
-        divergence = compare_rankings(
-            [(cid, score) for cid, score, _ in stable],
-            [(cid, score) for cid, score, _ in ranking],
-            top_k=config.top_k,
-            rbo_p=config.rbo_p,
-        )
+        try:
+            divergence = compare_rankings(
+                [(cid, score) for cid, score, _ in stable],
+                [(cid, score) for cid, score, _ in ranking],
+                top_k=config.top_k,
+                rbo_p=config.rbo_p,
+            )
+        except Exception:
+            self._count(ERROR)  # an answer that cannot be compared is no comparison
+            return
         self._count(COMPARED)
         self._on_compared(Comparison(meta.artifact_id, stable_meta.artifact_id, divergence))
 

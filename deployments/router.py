@@ -271,7 +271,9 @@ class Router:
         self._mirror = ShadowMirror(
             self._shadow_coalescer.submit,
             on_compared=self._shadow_metrics.compared,
-            timeout_s=self._config.request_timeout_s,
+            # The shadow sender times the handle call out (request_timeout_s from when it
+            # goes out); a copy holds its in-flight slot until then.
+            timeout_s=None,
         )
         self._probe_task: asyncio.Task[None] | None = None
         self._first_probe = asyncio.Event()
@@ -311,7 +313,6 @@ class Router:
         for cohort in self._roles:
             self._size_coalescer(cohort)
         self._mirror.config = config.shadow
-        self._mirror.timeout_s = config.request_timeout_s
         now = time.monotonic()
         for breaker in self._breakers.values():
             breaker.reconfigure(config.standby, now)

@@ -389,9 +389,12 @@ class _Tick:
 
     def cleanup_when_drained(self) -> None:
         """Scale the canary pool down and clear its target once the router routes nothing
-        to it (observed before this tick's actions), then finish."""
+        to it, user traffic or mirrored copies (observed before this tick's actions), then
+        finish."""
         if self.s.finished or self.obs.router_weights != Weights.stable_only():
             return
+        if (self.obs.router_shadow_bp or 0) > 0:
+            return  # still mirroring to the canary: copies in flight would hit a cleared pool
         if self.s.weights_live_at is None:
             self.s.weights_live_at = self.now
         if self.s.canary_replicas is not None:  # only a pool this rollout scaled

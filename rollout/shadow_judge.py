@@ -18,10 +18,15 @@ each factor of the likelihood-ratio product still has expectation at most 1 unde
 so Ville's inequality bounds the chance it ever crosses ``1/alpha`` by ``alpha``. Values
 strictly inside (0, 1) only make it conservative (their variance is below a Bernoulli's).
 
+A copy the canary did not answer (error or timeout) counts as divergence 1 in both measures;
+copies dropped for want of room count in neither.
+
 Bounds:
 - with an expectation recorded offline against this rollout's baseline
   (``metadata.expected_divergence``): each measure within ``tolerance`` of what was recorded,
-  on both sides where the band does not reach the end of [0, 1];
+  on both sides where the band does not reach the end of [0, 1] (a candidate recorded as
+  diverging less than ``tolerance`` has no lower side: ranking exactly like the baseline is
+  within its band);
 - otherwise the plan's absolute limits: mean RBO >= ``rbo_mean_min`` (divergence at most
   ``1 - rbo_mean_min``) and top-1 change rate <= ``top1_change_max``.
 
@@ -273,12 +278,18 @@ def judge_shadow(
             evidence.top1_changed += stats.top1_changed
             if stats.max_score_diff_p99 is not None:
                 evidence.max_score_diff_p99 = stats.max_score_diff_p99
+        # A copy the canary did not answer (an error or a timeout: not one dropped for want
+        # of room) counts as wholly divergent in both measures: a candidate that fails on
+        # some requests and matches stable on the rest must not pass.
+        trials = max(stats.compared, 0) + max(stats.errors, 0)
+        if trials > 0:
             divergence = {
-                SHADOW_RBO: min(max(stats.compared - stats.rbo_sum, 0.0), stats.compared),
-                SHADOW_TOP1: min(max(stats.top1_changed, 0.0), stats.compared),
+                SHADOW_RBO: min(max(stats.compared - stats.rbo_sum, 0.0), stats.compared)
+                + stats.errors,
+                SHADOW_TOP1: min(max(stats.top1_changed, 0.0), stats.compared) + stats.errors,
             }
             for bound in evidence.bounds:
-                bound.update(divergence[bound.measure], stats.compared)
+                bound.update(divergence[bound.measure], trials)
     fail_at = len(evidence.bounds) / plan.alpha
     pass_at = 1 / plan.beta
     results: list[CheckResult] = []
@@ -337,8 +348,11 @@ def judge_shadow(
     outcomes = {r.outcome for r in results}
     if Outcome.FAIL in outcomes:
         overall = Outcome.FAIL
-    elif Outcome.INCONCLUSIVE in outcomes or not results:
+    elif Outcome.INCONCLUSIVE in outcomes:
         overall = Outcome.INCONCLUSIVE
+    elif not results:
+        # A band as wide as [0, 1] bounds nothing: any copies are within it.
+        overall = Outcome.PASS
     else:
         overall = Outcome.PASS
     return Verdict(overall, tuple(results)), evidence

@@ -146,9 +146,12 @@ def test_a_shadow_block_is_validated_field_by_field() -> None:
     assert plan.shadow is not None and plan.shadow.fraction_bp == 1000
     # The example in configs/rollout.yaml spells out the defaults.
     text = (REPO / "configs" / "rollout.yaml").read_text()
-    example = "\n".join(
-        line.removeprefix("#   ") for line in text.splitlines() if line.startswith("#   ")
-    )
+    block = []
+    for line in text.split("# Example", 1)[1].splitlines()[1:]:
+        if not line.startswith("#   "):
+            break
+        block.append(line.removeprefix("#   "))
+    example = "\n".join(block)
     assert plan_from_mapping(yaml.safe_load(example)).shadow == plan.shadow
     for bad, field in (
         ({"fraction": 0}, "shadow.fraction"),

@@ -148,3 +148,25 @@ def test_a_stuck_canary_costs_a_copy_its_timeout_and_nothing_else() -> None:
         assert mirror.take_counts() == {ERROR: 1}
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_without_a_timeout_of_its_own_a_copy_holds_its_slot_until_the_call_ends() -> None:
+    """The router's mirror leaves timing out to its sender: a slow canary keeps the copies
+    it has and gets no more (the bound holds at the canary, not only in the mirror)."""
+
+    async def scenario() -> None:
+        canary = FakeCanary()
+        mirror = ShadowMirror(canary.send, on_compared=lambda _c: None, timeout_s=None)
+        mirror.config = ShadowRouting(fraction_bp=10_000, max_in_flight=2)
+        assert mirror.offer(request(), STABLE_META, STABLE_RANKING)
+        assert mirror.offer(request(), STABLE_META, STABLE_RANKING)
+        await asyncio.sleep(0.2)
+        assert mirror.in_flight == 2
+        assert not mirror.offer(request(), STABLE_META, STABLE_RANKING)
+        canary.calls[0].set_exception(TimeoutError())  # the sender's own timeout
+        canary.calls[1].set_result((CANARY_META, [("b", 0.6, "good")]))
+        await settle()
+        assert mirror.in_flight == 0
+        assert mirror.take_counts() == {DROPPED: 1, ERROR: 1, COMPARED: 1}
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))

@@ -296,3 +296,43 @@ def test_the_shadow_evidence_survives_a_restart_mid_phase() -> None:
     old.pop("shadow_evidence")
     old["plan"].pop("shadow")
     assert RolloutState.from_dict(old).shadow_evidence is None
+
+
+def test_copies_the_canary_fails_to_answer_count_against_it() -> None:
+    """Identical rankings on the copies it answers, errors on a fifth of them: not a pass."""
+    evidence = new_shadow_evidence(SHADOW, None)
+    outcome = Outcome.INCONCLUSIVE
+    for _ in range(10):
+        answered = ShadowStats(compared=80, rbo_sum=80.0, overlap_sum=80.0, errors=20)
+        verdict, evidence = judge_shadow(answered, evidence, PLAN)
+        outcome = verdict.outcome
+        if outcome is not Outcome.INCONCLUSIVE:
+            break
+    assert outcome is Outcome.FAIL, verdict.summary()
+    assert evidence.errors > 0 and evidence.rbo_mean == 1.0  # shown over the answered ones
+
+
+def test_a_band_that_bounds_nothing_passes_once_enough_copies_are_compared() -> None:
+    wide = ShadowPlan(tolerance=0.9, min_compared=50)
+    plan = PLAN.model_copy(update={"shadow": wide})
+    middle = EXPECTED.model_copy(update={"rbo_mean": 0.5, "top1_change_rate": 0.5})
+    evidence = new_shadow_evidence(wide, middle)
+    assert evidence.bounds == []
+    verdict, evidence = judge_shadow(ShadowStats(compared=30, rbo_sum=10.0), evidence, plan)
+    assert verdict.outcome is Outcome.INCONCLUSIVE
+    verdict, evidence = judge_shadow(ShadowStats(compared=30, rbo_sum=10.0), evidence, plan)
+    assert verdict.outcome is Outcome.PASS
+
+
+def test_the_canary_pool_is_cleaned_up_only_once_the_router_stopped_mirroring() -> None:
+    state = to_shadow(start())
+    state, _ = advance(state, obs(2000), 2.0)
+    state, actions = advance(state, obs(2000, shadow_window(2, 12, 0.3)), 12.0)
+    assert state.phase is Phase.ROLLED_BACK and not state.finished
+    assert not any(type(a).__name__ == "SetCanaryTarget" for a in actions)
+    # The router still mirrors (its config not applied yet): no cleanup.
+    state, actions = advance(state, obs(2000), 13.0)
+    assert not state.finished and actions == []
+    state, actions = advance(state, obs(0), 14.0)
+    assert state.finished
+    assert any(type(a).__name__ == "SetCanaryTarget" for a in actions)
