@@ -42,6 +42,7 @@ from app.polling import wait_until
 from app.request_bodies import rank_bodies
 from app.routing import request_key
 from app.shadow import is_mirrored
+from bench.bench_router import p99_ratio_interval
 from rollout.local_cluster import LocalCluster
 
 USERS = 400
@@ -104,25 +105,6 @@ def p99(values: list[float]) -> float:
 
 def p50(values: list[float]) -> float:
     return float(np.percentile(np.asarray(values) * 1000, 50)) if values else float("nan")
-
-
-def ratio_interval(
-    a_groups: list[list[float]], b_groups: list[list[float]], seed: int, resamples: int = 2000
-) -> tuple[float, float]:
-    """90% interval of pooled p99(a) / pooled p99(b), resampling whole phases (requests close
-    in time share their fate)."""
-    rng = np.random.default_rng(seed)
-    a = [np.asarray(g) for g in a_groups if g]
-    b = [np.asarray(g) for g in b_groups if g]
-    if not a or not b:
-        return float("nan"), float("nan")
-    ratios = np.empty(resamples)
-    for k in range(resamples):
-        xa = np.concatenate([a[i] for i in rng.integers(0, len(a), len(a))])
-        xb = np.concatenate([b[i] for i in rng.integers(0, len(b), len(b))])
-        ratios[k] = np.percentile(xa, 99) / np.percentile(xb, 99)
-    lo, hi = np.percentile(ratios, [5, 95])
-    return float(lo), float(hi)
 
 
 def shadow_counts(metrics_url: str) -> dict[str, float]:
@@ -223,8 +205,8 @@ def main() -> int:
 
     vs_not = p99(pooled(on_m)) / p99(pooled(on_n))
     vs_off = p99(pooled(on_m)) / p99(pooled(off_m))
-    vs_not_ci = ratio_interval(on_m, on_n, seed=1)
-    vs_off_ci = ratio_interval(on_m, off_m, seed=2)
+    vs_not_ci = p99_ratio_interval(on_m, on_n, seed=1)
+    vs_off_ci = p99_ratio_interval(on_m, off_m, seed=2)
     summary = {
         "requests": sum(len(p) for s in phases.values() for p in s),
         "errors": errors,
