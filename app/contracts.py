@@ -845,9 +845,11 @@ class ControllerSettings(Contract):
     tick_interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
     # Reports older than this do not count as a replica's state.
     report_stale_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    # Ray exports metrics with a delay (about a second at a 1 s report interval, several at
-    # the default 10 s): a window's first snapshot is taken at least this long after the
-    # weights went live, so no request routed under the previous weights is counted in it.
+    # The router hands its counts to Ray within a second and Ray exports them once per report
+    # interval (``metrics_report_interval_ms``): the first window after a weight change starts
+    # at least this long after the weights went live, so that no request answered under the
+    # previous weights is counted in it. The controller raises it to what the interval it
+    # observes in its cluster needs (rollout.engine.window_delay_s).
     metrics_delay_s: Annotated[float, Field(ge=0, le=600)] = 2.0
     # Empty: discover every node's metrics endpoint through Ray.
     metrics_endpoints: Annotated[tuple[Uri, ...], Field(max_length=10_000)] = ()
@@ -1012,3 +1014,8 @@ class ControllerPing(ControllerSettings):
     pid: Annotated[int, Field(ge=0, le=1 << 32)]
     ticks: Annotated[int, Field(ge=0)]
     repaired: tuple[Text, ...] | None
+    # Ray's metrics report interval as the controller's process reads it (None: unread, or a
+    # controller older than these fields), and how long after a weight change its first
+    # window starts because of it.
+    metrics_export_interval_s: Annotated[float, Field(ge=0, le=3600)] | None = None
+    window_delay_s: Annotated[float, Field(ge=0, le=7200)] | None = None

@@ -29,6 +29,10 @@ STATE: Final = "state"  # standby breaker state: "closed" | "open" | "half_open"
 ARTIFACT: Final = "artifact"  # shadow comparisons: the canary's artifact id (the candidate)
 
 # --- router -----------------------------------------------------------------------------
+# The router adds its request counts up locally and hands them to Ray at least this often
+# (one metric call per request costs the hop measurably); Ray exports them with its next
+# metrics report.
+REQUEST_COUNT_FLUSH_S: Final = 1.0
 ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
 ROUTER_LATENCY_MS: Final = "ranker_router_latency_ms"  # histogram {cohort, outcome}
 ROUTER_FAILOVERS: Final = "ranker_router_failovers"  # counter {from_cohort, cohort}

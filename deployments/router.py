@@ -418,7 +418,7 @@ class Router:
                 next_probe = time.monotonic() + self._config.probe_interval_s
                 self._after_probe_round()
             self._flush_counts()
-            await asyncio.sleep(min(1.0, self._config.probe_interval_s))
+            await asyncio.sleep(min(t.REQUEST_COUNT_FLUSH_S, self._config.probe_interval_s))
 
     async def _probe(self, cohort: str) -> None:
         """Ask one replica of the cohort for its report (two, to see more replicas)."""

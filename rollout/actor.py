@@ -83,6 +83,18 @@ def router_standby(handle: Any, timeout_s: float) -> StandbyView | None:
     return None if standby is None else StandbyView.model_validate(standby)
 
 
+def metrics_export_interval_s() -> float | None:
+    """Ray's metrics report interval in this process's cluster, in seconds (a worker gets the
+    cluster's system config); None where Ray's config cannot be read."""
+    try:
+        from ray._raylet import Config
+
+        return Config.metrics_report_interval_ms() / 1000.0
+    except Exception as exc:  # a private API: a Ray without it leaves the configured delay
+        log.warning("Ray's metrics report interval not read: %s", exc)
+        return None
+
+
 class RolloutController:
     """The detached, named controller actor (one per cluster): ticks its engine on a
     background thread and serves the CLI and the replicas' reports."""
@@ -90,7 +102,15 @@ class RolloutController:
     def __init__(self, settings: Mapping[str, Any]) -> None:
         logging.basicConfig(level=logging.INFO)
         self.settings = ControllerSettings.model_validate(dict(settings))
-        self.engine = RolloutEngine(self.settings)
+        self.engine = RolloutEngine(
+            self.settings, metrics_export_interval_s=metrics_export_interval_s()
+        )
+        if self.engine.window_delay_s > self.settings.metrics_delay_s:
+            log.info(
+                "windows start %.1fs after a weight change: Ray exports metrics every %.1fs",
+                self.engine.window_delay_s,
+                self.engine.metrics_export_interval_s,
+            )
         self.engine.resume()
         self.repaired: list[str] | None = None
         self.metrics = ControllerMetrics()
@@ -146,6 +166,8 @@ class RolloutController:
                 pid=os.getpid(),
                 ticks=self._ticks,
                 repaired=None if self.repaired is None else tuple(self.repaired),
+                metrics_export_interval_s=self.engine.metrics_export_interval_s,
+                window_delay_s=self.engine.window_delay_s,
             )
         )
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from app import telemetry
 from app.contracts import (
     CANARY,
     STABLE,
@@ -102,6 +103,23 @@ def routing_of(action: SetShadow) -> ShadowRouting:
     )
 
 
+# A sample is on its node's metrics endpoint at most one export interval after the router
+# handed it to Ray, plus the agent's handling: a fifth of the interval covers that.
+EXPORT_LAG_FACTOR = 1.2
+
+
+def window_delay_s(configured_s: float, export_interval_s: float | None) -> float:
+    """How long after a weight change a window may start: the configured delay, raised to
+    what the metrics path takes at worst. A request answered just before the change is
+    counted by its router at once, handed to Ray with the router's next flush (at most
+    ``REQUEST_COUNT_FLUSH_S`` later) and exported with the next report after that (up to one
+    interval); a window that began earlier would count it under the new weights."""
+    if export_interval_s is None:
+        return configured_s
+    worst = telemetry.REQUEST_COUNT_FLUSH_S + EXPORT_LAG_FACTOR * export_interval_s
+    return max(configured_s, worst)
+
+
 def shadow_routing(state: RolloutState) -> ShadowRouting:
     """What the router should mirror for ``state``: the plan's shadow while it is on."""
     shadow = state.plan.shadow
@@ -119,8 +137,13 @@ class RolloutEngine:
         serve: ServePort | None = None,
         windows: MetricsWindows | None = None,
         clock: Callable[[], float] = time.time,
+        metrics_export_interval_s: float | None = None,
     ) -> None:
+        """``metrics_export_interval_s``: Ray's metrics report interval in this cluster, which
+        windows must wait out after a weight change (None: only the configured delay)."""
         self.settings = settings
+        self.metrics_export_interval_s = metrics_export_interval_s
+        self.window_delay_s = window_delay_s(settings.metrics_delay_s, metrics_export_interval_s)
         self.registry = registry or open_registry(settings.registry_url)
         self.serve = serve or HttpServePort.for_settings(settings)
         self.windows = windows or windows_for(
@@ -425,7 +448,6 @@ class RolloutEngine:
     # ---------------------------------------------------------------- observe
 
     def _observe(self, state: RolloutState, now: float) -> Observations:
-        s = self.settings
         serve = self.serve.read()
         canary = self._pool(serve, CANARY, now)
         stable = self._pool(serve, STABLE, now)
@@ -433,8 +455,11 @@ class RolloutEngine:
         wanted = machine.next_window(state, now)
         if wanted is not None:
             start, end = wanted
+            # Only a window that starts where the weights changed waits for the metrics of the
+            # old ones to arrive; the next one starts where the last judged window ended.
+            delay = self.window_delay_s if machine.follows_weight_change(state, start) else 0.0
             try:
-                window = self.windows.window_between(start + s.metrics_delay_s, end)
+                window = self.windows.window_between(start + delay, end)
             except MetricsUnavailable as exc:
                 self._error(f"metrics: {exc}")
             if window is not None:

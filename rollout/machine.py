@@ -284,6 +284,13 @@ def held(state: RolloutState, seconds: float) -> RolloutState:
     )
 
 
+def follows_weight_change(state: RolloutState, start: float) -> bool:
+    """Whether a window starting at ``start`` begins where the router began applying the
+    current weights (or mirroring), rather than where the last judged window ended."""
+    live_at = _live_since(state)
+    return live_at is not None and start <= live_at
+
+
 def _live_since(state: RolloutState) -> float | None:
     """Since when the router applies what the current phase measures (None: not yet, or
     nothing to measure)."""

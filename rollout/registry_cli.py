@@ -20,8 +20,14 @@ from typing import Any
 
 import click
 
-from app.contracts import COHORTS
-from app.errors import ArtifactRejected, RevisionConflict, RolloutSystemError
+from app.contracts import COHORTS, Target
+from app.errors import (
+    ArtifactRejected,
+    ConfigError,
+    InvalidState,
+    RevisionConflict,
+    RolloutSystemError,
+)
 from app.manifest import Manifest, is_sha256_hex
 from app.registry import (
     DEFAULT_REGISTRY_URL,
@@ -402,3 +408,56 @@ def _show_artifact_history(session: _Session, entries: Sequence[ArtifactAuditEnt
             for e in entries
         ],
     )
+
+
+@registry_group.command("serve-config")
+@click.argument("template", type=click.Path(exists=True, dir_okay=False, readable=True))
+@click.option("--app", "app_name", default="ranker", show_default=True,
+              help="The application whose targets are filled in.")  # fmt: skip
+@click.option("--fallback", "fallback_id", default=None,
+              help="Artifact the hot standby serves (if the app has one).")  # fmt: skip
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write here instead of standard output.")  # fmt: skip
+@click.pass_obj
+def serve_config_command(
+    session: _Session, template: str, app_name: str, fallback_id: str | None, out_path: str | None
+) -> None:
+    """The Serve config to deploy: TEMPLATE (a Serve config such as configs/serve.yaml, or a
+    KubeRay RayService manifest) with the app's stable target set to the registry's and its
+    fallback's to --fallback's artifact (ready), and no canary target.
+
+    The stable revision is the registry's, so the controller's first drift repair changes
+    nothing. Exit 5 when the registry has no stable target or the fallback is not ready."""
+    from pathlib import Path
+
+    from rollout.serve_config import render_document
+
+    stable = session.reader.get_target(session.model, session.env, "stable").target()
+    fallback = None
+    if fallback_id is not None:
+        record = session.reader.get_artifact(session.model, fallback_id)
+        if record.state != "ready":
+            raise InvalidState(f"fallback {fallback_id} is {record.state}, not ready")
+        fallback = Target(
+            revision=1,  # the template's where it has one (render_document keeps it)
+            artifact_id=record.artifact_id,
+            manifest_uri=record.manifest_uri,
+            manifest_sha256=record.manifest_sha256,
+            feature_schema=record.feature_schema,
+        )
+    text = Path(template).read_text()
+    rendered = render_document(text, app_name=app_name, stable=stable, fallback=fallback)
+    header = (
+        f"# Rendered from {Path(template).name} by `rollout registry serve-config`: "
+        f"stable {stable.artifact_id} at revision {stable.revision}"
+        + (f", fallback {fallback.artifact_id}" if fallback is not None else "")
+        + ".\n"
+    )
+    if out_path is None:
+        click.echo(header + rendered, nl=False)
+        return
+    try:
+        Path(out_path).write_text(header + rendered)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_path}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {out_path}", err=True)

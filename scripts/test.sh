@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a Debian machine with Python 3.11:
-# virtualenv + packages, PostgreSQL server binaries (Debian's package) when missing, the style
-# checks (ruff check, ruff format --check), then pytest.
+# virtualenv + packages, PostgreSQL server binaries, rsync and Prometheus (Debian packages) when
+# missing, the style checks (ruff check, ruff format --check), then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,15 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+fi
+
+if ! command -v rsync >/dev/null; then
+    # The cluster launcher syncs files with rsync; its test runs the very same command.
+    echo "installing rsync (Debian package 'rsync')" >&2
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends rsync >/dev/null
 fi
 
 if [ ! -x /usr/bin/prometheus ]; then

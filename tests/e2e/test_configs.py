@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from app.contracts import AppArgs
+from app.contracts import AppArgs, Target
 from deployments.app import PROJECT_ROOT, build_app
+from rollout.serve_config import render_serve_config
 
 CONFIGS = ["configs/local.yaml", "configs/serve.yaml"]
+# What the registry would give the production templates (rollout registry serve-config).
+STABLE = Target(
+    revision=3,
+    artifact_id="ranker-v41",
+    manifest_uri="s3://ml-artifacts/ranker/ranker-v41/manifest.json",
+    manifest_sha256="ab" * 32,
+)
+FALLBACK_TARGET = Target(
+    revision=1,
+    artifact_id="ranker-lite-v1",
+    manifest_uri="s3://ml-artifacts/ranker/ranker-lite-v1/manifest.json",
+    manifest_sha256="cd" * 32,
+)
+
+
+def serve_config(name: str) -> dict[str, Any]:
+    """A config as it is deployed: the production template rendered, the local one as is."""
+    doc = yaml.safe_load((PROJECT_ROOT / name).read_text())
+    if name == "configs/serve.yaml":
+        return render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=FALLBACK_TARGET)
+    return doc
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_serve_config_validates(name: str) -> None:
-    doc = yaml.safe_load((PROJECT_ROOT / name).read_text())
+    doc = serve_config(name)
     schema = ServeDeploySchema.model_validate(doc)
     assert [a.name for a in schema.applications] == ["ranker"]
     app = doc["applications"][0]
@@ -24,8 +50,47 @@ def test_serve_config_validates(name: str) -> None:
     AppArgs.model_validate(app["args"])
 
 
+def test_the_rayservice_runs_serve_yaml_on_the_same_layout() -> None:
+    """configs/kuberay/rayservice.yaml: serve.yaml's application verbatim; KubeRay's
+    rayStartParams are strings (map[string]string); a CPU-less head; one GPU per worker pod,
+    as each model replica asks; token auth; cluster.yaml's metrics interval; the trust anchor
+    and the cache mounted where serve.yaml looks for them."""
+    manifest = yaml.safe_load((PROJECT_ROOT / "configs/kuberay/rayservice.yaml").read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    spec = manifest["spec"]
+    inner = yaml.safe_load(spec["serveConfigV2"])
+    assert inner == yaml.safe_load((PROJECT_ROOT / "configs/serve.yaml").read_text())
+    cluster = spec["rayClusterConfig"]
+    assert cluster["rayVersion"] == "2.60.0" and cluster["authOptions"] == {"mode": "token"}
+    head = cluster["headGroupSpec"]
+    groups = [head, *cluster["workerGroupSpecs"]]
+    for group in groups:
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), group
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    # KubeRay runs `ray start` with each parameter pasted in as --key=value, unquoted, by a
+    # shell: what the shell makes of it must be the JSON cluster.yaml's head gives Ray.
+    shown = subprocess.run(
+        ["bash", "-c", f"printf %s --system-config={head['rayStartParams']['system-config']}"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    kuberay_config = json.loads(shown.removeprefix("--system-config="))
+    launcher = yaml.safe_load((PROJECT_ROOT / "cluster.yaml").read_text())
+    head_start = " ".join(launcher["head_start_ray_commands"][1].split())
+    launcher_config = shlex.split(head_start.split("--system-config=")[1])[0]
+    assert kuberay_config == json.loads(launcher_config) == {"metrics_report_interval_ms": 2000}
+    args = AppArgs.model_validate(serve_config("configs/serve.yaml")["applications"][0]["args"])
+    (gpu,) = cluster["workerGroupSpecs"]
+    container = gpu["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == args.stable.num_gpus == 1
+    assert gpu["maxReplicas"] >= gpu["minReplicas"] >= 1
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert str(Path(args.trust_key or "").parent) in mounts and args.cache_dir in mounts
+    head_ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert inner["http_options"]["port"] in head_ports
+
+
 def test_serve_yaml_is_sized_for_gpus_and_long_loads() -> None:
-    doc = yaml.safe_load((PROJECT_ROOT / "configs/serve.yaml").read_text())
+    doc = serve_config("configs/serve.yaml")
     args = AppArgs.model_validate(doc["applications"][0]["args"])
     for cohort in (args.stable, args.canary):
         assert cohort.num_gpus == 1

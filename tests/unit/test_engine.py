@@ -72,7 +72,9 @@ def passing(start: float, end: float) -> WindowStats:
 class World:
     """An engine, its Serve, its windows and its clock, and replicas that do as they are told."""
 
-    def __init__(self, registry: Registry, serve: Any = None) -> None:
+    def __init__(
+        self, registry: Registry, serve: Any = None, export_interval_s: float | None = None
+    ) -> None:
         self.now = 1000.0
         self.seq = 0
         self.registry = registry
@@ -88,6 +90,7 @@ class World:
             serve=self.serve,
             windows=self.windows,
             clock=lambda: self.now,
+            metrics_export_interval_s=export_interval_s,
         )
 
     def report(self, replica_id: str, cohort: str, **fields: Any) -> InstanceReport | None:
@@ -386,3 +389,46 @@ def test_a_failed_drift_repair_does_not_stop_the_ticks(tmp_path: Path) -> None:
         assert any(e.startswith("drift repair: ServeUnreachable") for e in controller.engine.errors)
     finally:
         controller.stop()
+
+
+def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registry) -> None:
+    """At Ray's default 10 s report interval, a window starting 1 s after the weights went
+    live would count requests answered under the previous weights: the router hands its
+    counts over within 1 s and Ray exports them up to one interval later (x1.2), so the first
+    window after a weight change starts 13 s after it."""
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "interval_s": 30})
+    first_starts = []
+    for export_interval_s in (None, 1.0, 10.0):
+        world = World(registry, export_interval_s=export_interval_s)
+        world.replicas_report()
+        world.engine.start_rollout(V42, plan)
+        while not world.windows.asked:
+            world.tick()
+        first_starts.append(world.windows.asked[0][0])
+        world.engine.command(Abort(reason="test over"), actor="t", reason="test over")
+        world.run()
+    configured, fast, slow = first_starts
+    assert fast == pytest.approx(configured + 1.2)  # 1 + 1.2 x 1 s beats the configured 1 s
+    assert slow == pytest.approx(configured + 12.0)  # 13 s instead of 1 s
+
+
+def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -> None:
+    """The next window starts where the judged one ended: the weights did not change in
+    between, so nothing of other weights can reach it, and waiting again would only lose
+    data."""
+    world = World(registry, export_interval_s=10.0)
+    # Too few requests to decide: every window is judged inconclusive, one after the other.
+    world.windows.stats = lambda start, end: WindowStats(
+        start, end, canary=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
+        stable=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
+    )  # fmt: skip
+    world.replicas_report()
+    world.engine.start_rollout(V42, PLAN)
+    for _ in range(200):
+        world.tick()
+        if len(world.engine.live.state.verdicts) >= 2:
+            break
+    first, second = world.engine.live.state.verdicts[:2]
+    starts = sorted({start for start, _ in world.windows.asked})
+    assert starts[1] == first.window_end  # not 13 s after it
+    assert second.window_end - first.window_end >= PLAN.interval_s

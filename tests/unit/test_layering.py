@@ -35,6 +35,7 @@ PURE_MODULES = (
     "rollout.analysis",
     "rollout.sequential",
     "rollout.shadow_judge",
+    "rollout.serve_config",
 )
 PURE_MUST_NOT_LOAD = ("ray", "torch", "psycopg", "psycopg_pool", "sqlite3", "_sqlite3")
 

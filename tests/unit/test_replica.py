@@ -160,11 +160,18 @@ def test_installed_at_says_since_when_the_serving_model_serves(
 def test_background_loads_are_paced_and_the_startup_load_is_not(
     replica: RankerReplica, tmp_path: Path, demo
 ) -> None:
-    # A small share makes every burst of the dry run alone (tens of ms of CPU) pause.
+    # A small share pauses after every burst (about 5 ms of CPU). The demo model's whole
+    # background load can take less than one burst on a fast run: this one takes many
+    # (17 MiB to hash and load, a wide dry run).
+    wide = pack_ranker(
+        tmp_path / "store",
+        artifact_id="ranker-paced",
+        params={"hidden_dim": 2048, "num_layers": 2, "context_dim": 8},
+    )
     cfg = config(tmp_path, loading={"cpu_share": 0.2})
     replica.reconfigure({**cfg, "target": target(demo["ranker-v42"], 5)})
     assert replica.report().timings.paced == 0.0  # nothing serves here until it is done
-    replica.reconfigure({**cfg, "target": target(demo["ranker-v41"], 6)})
+    replica.reconfigure({**cfg, "target": target(wide, 6)})
     wait_until(
         lambda: replica.report().actual_revision == 6, TIMEOUT, "revision 6 installed", every=0.01
     )
