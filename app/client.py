@@ -1,8 +1,10 @@
 """A Python client of the ranking API that rides out drains and overload.
 
 The router answers 503 with ``Retry-After`` while it drains or is over its in-flight bound;
-a replica shutdown can also show up as a dropped connection. Ranking is read-only, so a
-retry has no side effect: the client retries 429/502/503/504 answers and connection errors,
+a replica shutdown can also show up as a dropped connection, and a router replica lost with
+its node in the middle of a call as a 500 from Serve's HTTP proxy (the router never answers
+500 itself: its own failures are 503s, a client's mistakes 4xx). Ranking is read-only, so a
+retry has no side effect: the client retries 429/500/502/503/504 answers and connection errors,
 waits at least what ``Retry-After`` asks (capped), and otherwise backs off exponentially with
 jitter so that clients that failed together do not come back together. Client mistakes (other
 4xx) are never retried.
@@ -21,7 +23,7 @@ from typing import Any, Final
 
 import httpx
 
-RETRY_STATUSES: Final = frozenset({429, 502, 503, 504})
+RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 
 
 class RankerClientError(Exception):

@@ -119,6 +119,17 @@ def uri_in(raw: Mapping[str, Any] | ReplicaConfig) -> str:
     return uri if isinstance(uri, str) else ""
 
 
+# A node's own cache directory, set in its raylet's environment (its replicas inherit it):
+# nodes whose fast disk is mounted elsewhere, several nodes on one host. It wins over the
+# config's cache_dir, which is one path for every replica of the application.
+NODE_CACHE_DIR_ENV = "RANKER_CACHE_DIR"
+
+
+def node_cache_dir(configured: str) -> str:
+    """The cache directory of this replica: its node's when the node names one."""
+    return os.environ.get(NODE_CACHE_DIR_ENV) or configured
+
+
 class RankerReplica:
     def __init__(
         self,
@@ -191,7 +202,7 @@ class RankerReplica:
         cfg: ReplicaConfig,
     ) -> tuple[str, int | None, str | None, SignatureTrust, FetchConfig]:
         return (
-            cfg.cache_dir,
+            node_cache_dir(cfg.cache_dir),
             cfg.cache_byte_budget,
             cfg.trust_key,
             cfg.trust,
@@ -215,7 +226,7 @@ class RankerReplica:
         trust = TrustPolicy.of(cfg.signature_trust, field="user_config.trust")
         try:
             return ArtifactCache(
-                Path(cfg.cache_dir),
+                Path(node_cache_dir(cfg.cache_dir)),
                 byte_budget=cfg.cache_byte_budget,
                 trust=trust,
                 fetch=cfg.loading.fetch,

@@ -29,8 +29,15 @@ the result:
    The traffic runs in a separate client process, so this process's control-plane calls do
    not stall the client and pass for service latency.
 
+``--layout multinode`` runs the same windows on a production-like layout: a head node with no
+CPU resource (GCS, dashboard, Serve controller, the HTTP proxy) and one worker node with every
+replica, each a raylet of its own (``rollout.multinode``), the head's processes, this one and
+the load generator pinned to core 0 and the worker's to core 1 (``taskset``), as production
+puts the control plane on a CPU head of its own.
+
 Loopback only, one local Ray cluster on free ports, bounded in count and time. Usage:
     .venv/bin/python bench/bench_router.py [--seconds 8] [--concurrency 16] [--rounds 3]
+        [--layout single|multinode]
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import asyncio
 import itertools
 import json
 import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -60,6 +68,7 @@ from app.demo_artifacts import DEMO_PARAMS, make_demo_artifacts
 from app.features import NUM_FEATURES
 from app.polling import wait_until
 from rollout.local_cluster import LocalCluster
+from rollout.multinode import MultiNodeCluster
 from tests.artifacts import pack_ranker
 
 MAX_REQUESTS_PER_PHASE = 20_000
@@ -271,6 +280,12 @@ def main() -> int:
         default=",".join(KINDS),
         help="kinds of windows to measure (comma-separated; 'none' and 'config' are controls)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=("single", "multinode"),
+        default="single",
+        help="one node, or a CPU-less head on core 0 and a worker node on core 1",
+    )
     args = parser.parse_args()
     measured = [kind for kind in KINDS if kind in args.kinds.split(",")]
     if not measured or set(args.kinds.split(",")) - set(KINDS):
@@ -301,7 +316,29 @@ def main() -> int:
     # Ray and Serve on free ports (GCS, dashboard, metrics, HTTP); Ray's own metrics report
     # interval (10 s), not LocalCluster's 1 s for the tests: the bench measures latency, and
     # nothing here reads the metrics.
-    cluster = LocalCluster.start(num_cpus=4, metrics_report_interval_ms=10_000)
+    multinode: MultiNodeCluster | None = None
+    if args.layout == "multinode":
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error(
+                "--layout multinode needs two cores (one for the head, one for the worker)"
+            )
+        head_core, worker_core = sorted(os.sched_getaffinity(0))[:2]
+        multinode = MultiNodeCluster.start(
+            work,
+            workers=1,
+            cpus_per_worker=4,
+            metrics_report_interval_ms=10_000,
+            head_cpus=str(head_core),
+            worker_cpus=str(worker_core),
+        )
+        os.sched_setaffinity(0, {head_core})  # this driver and, inherited, the load generator
+        import ray
+
+        os.environ["RAY_AUTH_MODE"] = "token"
+        ray.init(address=multinode.address, log_to_driver=False, namespace="bench")
+        cluster: LocalCluster | MultiNodeCluster = multinode
+    else:
+        cluster = LocalCluster.start(num_cpus=4, metrics_report_interval_ms=10_000)
     rest = cluster.serve_control()
     clients: ProcessPoolExecutor | None = None
     try:
@@ -338,7 +375,7 @@ def main() -> int:
         wait_until(
             lambda: rest.details() is not None, 60, "dashboard up", every=0.2, retry_on=(Exception,)
         )
-        # One proxy, on the head node: the only node of this cluster.
+        # One proxy, on the head node (on the multinode layout, beside the control plane).
         cluster.deploy(applications, timeout_s=180)
         handles = {
             name: serve.get_deployment_handle(name, app_name="routed")
@@ -548,13 +585,21 @@ def main() -> int:
             f"{args.seconds:.0f} s phases, {args.events} windows of each kind per round, "
             f"candidate hidden_dim {args.candidate_hidden}, {args.stable_replicas} stable replicas"
         )
-        print(json.dumps({"bench": "router", "non_200": errors, "rows": rows}))
+        print(
+            json.dumps({"bench": "router", "layout": args.layout, "non_200": errors, "rows": rows})
+        )
     finally:
         if clients is not None:
             clients.shutdown()
         rest.close()
         try:
-            LocalCluster.stop()
+            if multinode is not None:
+                import ray
+
+                ray.shutdown()
+                multinode.stop()
+            else:
+                LocalCluster.stop()
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -94,6 +94,16 @@ def test_connection_errors_are_retried() -> None:
     assert client(transport, sleeps).rank({}).attempts == 2
 
 
+def test_a_call_lost_with_its_router_replica_is_retried() -> None:
+    # Serve's proxy answers 500 when the replica serving a call dies (its node lost).
+    transport, seen = scripted(
+        httpx.Response(500, text="Internal Server Error"), httpx.Response(200, json=OK_BODY)
+    )
+    sleeps: list[float] = []
+    assert client(transport, sleeps).rank({}).attempts == 2
+    assert len(seen) == 2 and len(sleeps) == 1
+
+
 def test_client_mistakes_are_not_retried() -> None:
     transport, seen = scripted(
         httpx.Response(422, json={"error": "invalid_request", "field": "candidates"})

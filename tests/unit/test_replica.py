@@ -24,7 +24,7 @@ from app.faults import FAULT_INJECTION_ENV, NO_FAULT
 from app.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
-from app.replica import RankerReplica, ReplicaNotReady
+from app.replica import NODE_CACHE_DIR_ENV, RankerReplica, ReplicaNotReady
 from tests.artifacts import pack_ranker
 
 TIMEOUT = 30.0
@@ -476,3 +476,15 @@ def test_a_trust_anchor_the_replica_cannot_read_is_refused_with_the_config(
     assert err is not None and err.category == "config", err
     assert err.field == "user_config.trust.keys[0]", err
     assert serving.rank([request()]).model.artifact_id == "ranker-v42"
+
+
+def test_a_nodes_own_cache_dir_wins_over_the_configs(
+    replica: RankerReplica, tmp_path: Path, demo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node_cache = tmp_path / "node-local-disk"
+    monkeypatch.setenv(NODE_CACHE_DIR_ENV, str(node_cache))
+    replica.reconfigure({**config(tmp_path), "target": target(demo["ranker-v41"], 5)})
+    assert replica.report().actual_revision == 5
+    cached = [p.name for p in node_cache.rglob("*.safetensors")]
+    assert cached, list(node_cache.rglob("*"))
+    assert not (tmp_path / "cache").exists()  # the config's cache_dir is not used

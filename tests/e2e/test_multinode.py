@@ -1,0 +1,226 @@
+"""Rollouts on a Ray cluster of three nodes: a head with no CPU (control plane and the HTTP
+proxy) and two worker nodes, each a raylet of its own with its own artifact cache, started
+by ``rollout.multinode`` on this machine. Driven as a user drives a cluster: Serve's HTTP
+ingress, the dashboard's REST API and the installed ``rollout`` binary (this test process
+never attaches to the cluster; it may be attached to the session cluster already).
+
+Marker ``multinode`` (``pytest -m multinode`` runs it alone). The nodes share two cores with
+everything else here, so plans are short and the counts, not the times, are asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.demo_artifacts import make_demo_artifacts
+from app.polling import wait_until
+from app.registry import open_registry
+from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from rollout.multinode import MultiNodeCluster, multinode_cluster
+from tests.e2e.harness import FAST_PLAN, failed, retrying_clients, steady_traffic
+
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode]
+
+ROLLOUT = str(Path(sys.executable).with_name("rollout"))
+BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
+PLAN = {
+    **FAST_PLAN,
+    "steps": [20, 50, 100],
+    "interval_s": 4,
+    "progress_deadline_s": 120,
+    # Two canary replicas: one per worker node.
+    "canary_scaling": {"min_replicas": 2, "max_replicas": 2, "idle_replicas": 2},
+}
+
+
+class MultiNodeEnv:
+    def __init__(self, cluster: MultiNodeCluster, work: Path, db: str) -> None:
+        self.cluster = cluster
+        self.work = work
+        self.db = db
+        self.plan = work / "plan.yaml"
+        self.plan.write_text(yaml.safe_dump(PLAN))
+
+    def rollout(self, *args: str, check: bool = True) -> Any:
+        common = [
+            *("--address", self.cluster.address, "--db", self.db),
+            *("--dashboard", self.cluster.dashboard_url, "--timeout", "60", "--json"),
+        ]
+        done = subprocess.run(
+            [ROLLOUT, *args, *common], capture_output=True, text=True, timeout=180,
+            cwd=self.work, env={**os.environ, "RAY_AUTH_MODE": "token"},
+        )  # fmt: skip
+        assert "Traceback" not in done.stderr, done.stderr[-4000:]
+        if not check and done.returncode != 0:
+            return None
+        assert done.returncode == 0, (args, done.returncode, done.stderr[-4000:])
+        return json.loads(done.stdout)
+
+    def controller_pid(self) -> int | None:
+        ping = self.rollout("controller", "status", check=False)
+        return None if ping is None else int(ping["pid"])
+
+    def status(self) -> dict[str, Any]:
+        return self.rollout("status")
+
+    def wait_phase(self, *phases: str, timeout: float = 240, finished: bool = False) -> dict:
+        seen: dict[str, Any] = {}
+
+        def reached() -> bool:
+            seen.clear()
+            seen.update(self.status())
+            return seen.get("phase") in phases and (not finished or bool(seen.get("finished")))
+
+        wait_until(reached, timeout, f"rollout phase in {phases}", every=1.0)
+        return seen
+
+    def wait_canary_weight(self, timeout: float = 180) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+
+        def live() -> bool:
+            seen.clear()
+            seen.update(self.status())
+            return (
+                seen.get("phase") == "progressing"
+                and (seen.get("weights") or {}).get("canary_bp", 0) > 0
+            )
+
+        wait_until(live, timeout, "canary taking traffic", every=0.5)
+        return seen
+
+    def stable_artifact(self) -> str:
+        targets = self.status().get("targets") or []
+        return next(t["artifact_id"] for t in targets if t["cohort"] == "stable")
+
+
+@pytest.fixture(scope="module")
+def mn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeEnv]:
+    work = tmp_path_factory.mktemp("multinode")
+    demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
+    db = f"sqlite:///{work / 'registry.db'}"
+    registry = open_registry(db)
+    for artifact in (BASELINE, CANDIDATE):
+        registry.register_artifact(demo[artifact].manifest_uri, demo[artifact].manifest_sha256)
+        registry.approve_artifact("ranker", artifact, actor="e2e")
+    stable = registry.publish("ranker", "default", "stable", BASELINE, 0, actor="e2e", reason="i")
+    registry.close()
+    with multinode_cluster(work, workers=2, cpus_per_worker=2) as cluster:
+        cluster.deploy(
+            [
+                {
+                    "name": "ranker",
+                    "route_prefix": "/",
+                    "import_path": "deployments.app:build_app",
+                    "args": {
+                        "stable": {
+                            "num_replicas": 2,
+                            "num_cpus": 0.2,
+                            "target": stable.target().model_dump(mode="json"),
+                        },
+                        "canary": {"num_replicas": 2, "num_cpus": 0.2},
+                        "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},
+                        "router_replicas": 2,
+                        "router_num_cpus": 0.2,
+                        # Each node's own cache (RANKER_CACHE_DIR) wins over this one.
+                        "cache_dir": str(work / "unused-cache"),
+                        "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 3},
+                        "controller": {"name": CONTROLLER_NAME, "namespace": CONTROLLER_NAMESPACE},
+                        "report_interval_s": 1.0,
+                    },
+                }
+            ]
+        )
+        env = MultiNodeEnv(cluster, work, db)
+        env.rollout("controller", "start")
+        yield env
+
+
+def spread(cluster: MultiNodeCluster) -> dict[str, dict[str, int]]:
+    return cluster.replicas_by_node("ranker")
+
+
+def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNodeEnv) -> None:
+    workers = {n for n, r in mn.cluster.alive_node_ids().items() if r.get("CPU", 0) > 0}
+    assert len(workers) == 2
+    traffic = steady_traffic(mn.cluster.http_url, rate=15)
+    try:
+        mn.rollout("start", "ranker", CANDIDATE, "--plan", str(mn.plan))
+        mn.wait_canary_weight()
+        placed = spread(mn.cluster)
+        for deployment in ("stable", "canary", "router"):
+            assert set(placed[deployment]) == workers, (deployment, placed)
+        done = mn.wait_phase("succeeded", finished=True)
+        assert mn.stable_artifact() == CANDIDATE, done
+
+        # Back to v41, and an operator rollback while its canary takes traffic.
+        mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
+        mn.wait_canary_weight()
+        mn.rollout("rollback", "--reason", "multinode test")
+        ended = mn.wait_phase("rolled_back", finished=True)
+        assert (ended["weights"] or {}).get("canary_bp") == 0
+        assert mn.stable_artifact() == CANDIDATE
+    finally:
+        records = traffic.stop()
+    assert len(records) > 100
+    assert failed(records) == [], failed(records)[:5]
+    cohorts = {r.cohort for r in records}
+    assert {"stable", "canary"} <= cohorts, cohorts
+    # Every node fetched into its own cache, and none into the config's.
+    for node in mn.cluster.workers:
+        assert list((node.work_dir / "cache").rglob("*.safetensors")), node
+    assert not (mn.work / "unused-cache").exists()
+
+
+def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> None:
+    """Worker 2 (its replicas and a router among them) is SIGKILLed while the canary takes
+    traffic, then the controller's process while the node is still gone. Clients that retry
+    as app/client.py does lose nothing; Serve puts the lost replicas on worker 1, where they
+    verify and load from its own cache before they serve; the controller comes back, resumes
+    the rollout from the registry and ends it by its rules."""
+    assert mn.stable_artifact() == CANDIDATE
+    traffic = retrying_clients(mn.cluster.http_url, concurrency=4)
+    try:
+        mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
+        mn.wait_canary_weight()
+        survivor, lost = mn.cluster.workers
+        mn.cluster.kill_worker(lost)
+        wait_until(lambda: len(mn.cluster.alive_node_ids()) == 2, 60, "the lost node declared dead")
+        before = mn.controller_pid()
+        assert before is not None
+        os.kill(before, signal.SIGKILL)
+        wait_until(
+            lambda: mn.controller_pid() not in (None, before),
+            120,
+            "the controller restarted",
+            every=1.0,
+        )
+        ended = mn.wait_phase("succeeded", "rolled_back", "aborted", "failed", finished=True)
+        assert ended["phase"] in ("succeeded", "rolled_back"), ended
+        only = {n for n, r in mn.cluster.alive_node_ids().items() if r.get("CPU", 0) > 0}
+        assert len(only) == 1
+        wait_until(
+            lambda: all(set(v) == only for v in spread(mn.cluster).values() if v),
+            120,
+            "every replica on the surviving worker",
+            every=1.0,
+        )
+        rows = mn.status().get("replicas") or []
+        assert rows and all(r["actual"] == r["desired"] for r in rows if r["desired"]), rows
+    finally:
+        records = traffic.stop()
+    assert len(records) > 50
+    gave_up = [r for r in records if not 200 <= r.status < 300]
+    assert gave_up == [], gave_up[:5]
+    retried = sum(1 for r in records if r.attempts > 1)
+    print(f"multinode: {len(records)} calls, {retried} retried at least once")
+    assert list((survivor.work_dir / "cache").rglob("*.safetensors"))
