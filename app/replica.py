@@ -126,8 +126,10 @@ NODE_CACHE_DIR_ENV = "RANKER_CACHE_DIR"
 
 
 def node_cache_dir(configured: str) -> str:
-    """The cache directory of this replica: its node's when the node names one."""
-    return os.environ.get(NODE_CACHE_DIR_ENV) or configured
+    """The cache directory of this replica: its node's when the node names one (made absolute
+    against the replica's working directory)."""
+    node = os.environ.get(NODE_CACHE_DIR_ENV)
+    return os.path.abspath(node) if node else configured
 
 
 class RankerReplica:
@@ -232,10 +234,14 @@ class RankerReplica:
                 fetch=cfg.loading.fetch,
             )
         except ConfigError as exc:
-            # The cache names its directory's errors; the policy was built above.
-            raise ConfigError(
-                f"user_config.cache_dir: {exc}", field="user_config.cache_dir"
-            ) from exc
+            # The cache names its directory's errors; the policy was built above. A node's own
+            # directory is named as such: the config's is not the one that failed.
+            where = (
+                f"{NODE_CACHE_DIR_ENV} (this node's, over user_config.cache_dir)"
+                if os.environ.get(NODE_CACHE_DIR_ENV)
+                else "user_config.cache_dir"
+            )
+            raise ConfigError(f"{where}: {exc}", field="user_config.cache_dir") from exc
 
     def _get_cache(self) -> ArtifactCache:
         cache = self._cache

@@ -291,6 +291,9 @@ def main() -> int:
     if not measured or set(args.kinds.split(",")) - set(KINDS):
         parser.error(f"--kinds: a comma-separated subset of {','.join(KINDS)}")
 
+    if args.layout == "multinode" and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--layout multinode needs two cores: one for the head, one for the worker")
+
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
     params = {"hidden_dim": args.candidate_hidden, "num_layers": 8, "context_dim": 16}
@@ -318,11 +321,10 @@ def main() -> int:
     # nothing here reads the metrics.
     multinode: MultiNodeCluster | None = None
     if args.layout == "multinode":
-        if len(os.sched_getaffinity(0)) < 2:
-            parser.error(
-                "--layout multinode needs two cores (one for the head, one for the worker)"
-            )
         head_core, worker_core = sorted(os.sched_getaffinity(0))[:2]
+        # Before anything reads Ray's config (the REST client's token does): this driver joins
+        # a cluster with token auth.
+        os.environ["RAY_AUTH_MODE"] = "token"
         multinode = MultiNodeCluster.start(
             work,
             workers=1,
@@ -334,8 +336,11 @@ def main() -> int:
         os.sched_setaffinity(0, {head_core})  # this driver and, inherited, the load generator
         import ray
 
-        os.environ["RAY_AUTH_MODE"] = "token"
-        ray.init(address=multinode.address, log_to_driver=False, namespace="bench")
+        try:
+            ray.init(address=multinode.address, log_to_driver=False, namespace="bench")
+        except BaseException:
+            multinode.stop()
+            raise
         cluster: LocalCluster | MultiNodeCluster = multinode
     else:
         cluster = LocalCluster.start(num_cpus=4, metrics_report_interval_ms=10_000)
@@ -596,8 +601,10 @@ def main() -> int:
             if multinode is not None:
                 import ray
 
-                ray.shutdown()
-                multinode.stop()
+                try:
+                    ray.shutdown()
+                finally:
+                    multinode.stop()
             else:
                 LocalCluster.stop()
         finally:

@@ -233,6 +233,19 @@ def get_controller(name: str = CONTROLLER_NAME, timeout_s: float = DEFAULT_TIMEO
     return find_controller(name, timeout_s)
 
 
+def on_the_head_node() -> Any:
+    """The controller's place: the head node, with the control plane, where losing a worker
+    (a GPU node) does not take the controller with it; anywhere while the head cannot take it
+    (soft). None (Ray's default) when the head is not known."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=True)
+    return None
+
+
 def ensure_controller(
     settings: ControllerSettings,
     name: str = CONTROLLER_NAME,
@@ -255,6 +268,7 @@ def ensure_controller(
         num_cpus=0,
         max_concurrency=16,
         max_restarts=-1,
+        scheduling_strategy=on_the_head_node(),
     ).remote(settings.model_dump())
     if timeout_s is None:
         ray.get(handle.ping.remote())

@@ -8,8 +8,9 @@ a real cluster (the token is the user's ``~/.ray/auth_token``, made when missing
 
 Nothing here calls ``ray.init``: the caller may be attached to another cluster already. It
 talks to this one over the dashboard's REST API, Serve's HTTP ingress and the ``rollout``
-CLI. Every process of the cluster names its temp dir on its command line: ``stop`` ends only
-those, and ``kill_worker`` only one raylet and what it started (never ``ray stop``).
+CLI. The processes of the cluster are those that name its temp dir on their command line and
+their children (Ray renames its workers): ``stop`` ends only those, and ``kill_worker`` only
+one node's (never ``ray stop``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 from app.polling import WaitTimeout, wait_until
 from app.replica import NODE_CACHE_DIR_ENV
 from rollout.local_cluster import free_port
-from rollout.serve_control import ServeControl
+from rollout.serve_control import ServeControl, ServeUnreachable
 
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 120.0
@@ -44,6 +44,9 @@ class WorkerNode:
     metrics_port: int
     work_dir: Path
     alive: bool = True
+    # What its `ray start` left running (the raylet, the log monitor); the raylet's children
+    # (agents, workers) are found when it is killed.
+    pids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -130,40 +133,71 @@ class MultiNodeCluster:
             )
             for i in range(workers):
                 cluster.add_worker(work / f"node-{i + 1}", cpus=cpus_per_worker)
+            control = ServeControl(cluster.dashboard_url)
+            try:
+                wait_until(
+                    lambda: control.details() is not None,
+                    START_TIMEOUT_S,
+                    "dashboard REST API up",
+                    retry_on=(Exception,),
+                )
+            finally:
+                control.close()
             wait_until(
-                lambda: ServeControl(cluster.dashboard_url).details() is not None,
+                lambda: len(cluster.worker_node_ids()) == workers,
                 START_TIMEOUT_S,
-                "dashboard REST API up",
-                retry_on=(Exception,),
+                f"{workers} worker nodes alive",
             )
         except BaseException:
             cluster.stop()
             raise
         return cluster
 
-    def add_worker(self, work_dir: Path, *, cpus: int) -> WorkerNode:
+    def add_worker(self, work_dir: Path, *, cpus: int, attempts: int = 2) -> WorkerNode:
+        """A worker node joined to the head. On a loaded machine a raylet can miss Ray's
+        start-up deadline: what that attempt left running is stopped, and it is tried again
+        with new ports (``attempts`` in all)."""
         work_dir.mkdir(parents=True, exist_ok=True)
-        node = WorkerNode(
-            index=len(self.workers) + 1,
-            node_manager_port=free_port(),
-            metrics_port=free_port(),
-            work_dir=work_dir,
-        )
-        cache = work_dir / "cache"  # node-local: its replicas' artifact cache
-        self._ray_start(
-            [
-                f"--address={self.address}",
-                f"--num-cpus={cpus}",
-                "--num-gpus=0",
-                f"--node-manager-port={node.node_manager_port}",
-                f"--metrics-export-port={node.metrics_port}",
-            ],
-            cwd=work_dir,
-            env={NODE_CACHE_DIR_ENV: str(cache)},
-            cpus=self.worker_cpus,
-        )
-        self.workers.append(node)
-        return node
+        for attempt in range(1, attempts + 1):
+            node = WorkerNode(
+                index=len(self.workers) + 1,
+                node_manager_port=free_port(),
+                metrics_port=free_port(),
+                work_dir=work_dir,
+            )
+            before = {pid for pid, _ in _processes_naming(self.temp_dir)}
+            try:
+                self._ray_start(
+                    [
+                        f"--address={self.address}",
+                        f"--num-cpus={cpus}",
+                        "--num-gpus=0",
+                        f"--node-manager-port={node.node_manager_port}",
+                        f"--metrics-export-port={node.metrics_port}",
+                    ],
+                    cwd=work_dir,
+                    # Node-local: its replicas' artifact cache.
+                    env={NODE_CACHE_DIR_ENV: str(work_dir / "cache")},
+                    cpus=self.worker_cpus,
+                )
+            except RuntimeError:
+                left = [pid for pid, _ in _processes_naming(self.temp_dir) if pid not in before]
+                for victim in {*left, *(c for p in left for c in _descendants(p))}:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(victim, signal.SIGKILL)
+                if attempt == attempts:
+                    raise
+                continue
+            # Its raylet and log monitor: what `ray start` leaves running for a worker node (the
+            # head's raylet may start workers meanwhile; those are not this node's).
+            node.pids = [
+                pid
+                for pid, cmdline in _processes_naming(self.temp_dir)
+                if pid not in before and ("/raylet " in cmdline or "log_monitor.py" in cmdline)
+            ]
+            self.workers.append(node)
+            return node
+        raise AssertionError("unreachable")
 
     def _ray_start(
         self,
@@ -196,7 +230,7 @@ class MultiNodeCluster:
         raylets = [pid for pid, cmdline in _processes_naming(self.temp_dir) if flag in cmdline]
         if len(raylets) != 1:
             raise RuntimeError(f"node {node.index}: {len(raylets)} raylets found, expected 1")
-        victims = [raylets[0], *_descendants(raylets[0])]
+        victims = sorted({*node.pids, raylets[0], *_descendants(raylets[0])})
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -204,19 +238,20 @@ class MultiNodeCluster:
         return victims
 
     def stop(self) -> None:
-        """Ends this cluster's processes only (TERM, then KILL), and removes its temp dir."""
+        """Ends this cluster's processes only (TERM, then KILL), and removes its temp dir.
+        Ray renames its workers and agents (``ray::...``), so they are found as the children
+        of the processes that name the temp dir, collected before any of those ends."""
+        found = [pid for pid, _ in _processes_naming(self.temp_dir)]
+        pids = sorted({*found, *(c for pid in found for c in _descendants(pid))})
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid, _ in _processes_naming(self.temp_dir):
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             try:
-                wait_until(
-                    lambda: not _processes_naming(self.temp_dir), 20, "cluster processes gone"
-                )
+                wait_until(lambda: not any(map(_running, pids)), 20, "cluster processes gone")
                 break
             except WaitTimeout:
                 continue
-        time.sleep(0.2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ Serve
@@ -244,7 +279,9 @@ class MultiNodeCluster:
                     raise RuntimeError(f"deploy failed: {apps}")
                 return all(s == "RUNNING" for s in statuses)
 
-            wait_until(running, timeout_s, f"applications {names} RUNNING", retry_on=(OSError,))
+            wait_until(
+                running, timeout_s, f"applications {names} RUNNING", retry_on=(ServeUnreachable,)
+            )
         finally:
             control.close()
 
@@ -266,6 +303,16 @@ class MultiNodeCluster:
             out[name] = counts
         return out
 
+    def target_replicas(self, app: str) -> dict[str, int]:
+        """Per deployment: the replicas Serve means to run."""
+        control = self.serve_control()
+        try:
+            details = control.details()
+        finally:
+            control.close()
+        deployments = ((details.get("applications") or {}).get(app) or {}).get("deployments")
+        return {n: int(d.get("target_num_replicas") or 0) for n, d in (deployments or {}).items()}
+
     def alive_node_ids(self) -> dict[str, dict[str, Any]]:
         """Alive nodes as the cluster's driver API sees them, by node id (a subprocess
         attaches to this cluster: the caller may be attached to another one)."""
@@ -285,6 +332,10 @@ class MultiNodeCluster:
         line = next(x for x in done.stdout.splitlines() if x.startswith("NODES "))
         return json.loads(line.removeprefix("NODES "))
 
+    def worker_node_ids(self) -> set[str]:
+        """Alive nodes that can take replicas (the head has no CPU)."""
+        return {n for n, resources in self.alive_node_ids().items() if resources.get("CPU")}
+
 
 def ensure_token() -> None:
     """The user's cluster token (``~/.ray/auth_token``), made as the README says when missing."""
@@ -294,18 +345,28 @@ def ensure_token() -> None:
 
 
 def _processes_naming(text: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every process whose command line contains ``text``."""
+    """(pid, command line) of every process with an option naming ``text`` (``--temp-dir=``,
+    ``--session_dir=``, ...): Ray's own processes, not a ``tail`` of one of its logs."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if text in cmdline:
-            found.append((int(proc.name), cmdline))
+        if any(a.startswith("--") and text in a for a in args):
+            found.append((int(proc.name), " ".join(args)))
     return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds only its exit status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _descendants(pid: int) -> list[int]:

@@ -150,15 +150,22 @@ def spread(cluster: MultiNodeCluster) -> dict[str, dict[str, int]]:
 
 
 def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNodeEnv) -> None:
-    workers = {n for n, r in mn.cluster.alive_node_ids().items() if r.get("CPU", 0) > 0}
+    workers = mn.cluster.worker_node_ids()
     assert len(workers) == 2
     traffic = steady_traffic(mn.cluster.http_url, rate=15)
     try:
         mn.rollout("start", "ranker", CANDIDATE, "--plan", str(mn.plan))
         mn.wait_canary_weight()
-        placed = spread(mn.cluster)
-        for deployment in ("stable", "canary", "router"):
-            assert set(placed[deployment]) == workers, (deployment, placed)
+        # Serve spreads replicas over nodes (best effort): each deployment on both workers.
+        wait_until(
+            lambda: all(
+                set(spread(mn.cluster).get(d) or {}) == workers
+                for d in ("stable", "canary", "router")
+            ),
+            60,
+            "stable, canary and router replicas on both workers",
+            every=1.0,
+        )
         done = mn.wait_phase("succeeded", finished=True)
         assert mn.stable_artifact() == CANDIDATE, done
 
@@ -183,20 +190,24 @@ def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNod
 
 def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> None:
     """Worker 2 (its replicas and a router among them) is SIGKILLed while the canary takes
-    traffic, then the controller's process while the node is still gone. Clients that retry
-    as app/client.py does lose nothing; Serve puts the lost replicas on worker 1, where they
-    verify and load from its own cache before they serve; the controller comes back, resumes
-    the rollout from the registry and ends it by its rules."""
+    traffic, then the controller's process (on the head node, so the node's loss left it
+    running) while the node is still gone. Clients that retry as app/client.py does lose
+    nothing; Serve starts the lost replicas again on worker 1, and each serves its desired
+    target; the controller comes back, resumes the rollout from the registry and ends it by
+    its rules."""
     assert mn.stable_artifact() == CANDIDATE
     traffic = retrying_clients(mn.cluster.http_url, concurrency=4)
     try:
         mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
         mn.wait_canary_weight()
-        survivor, lost = mn.cluster.workers
-        mn.cluster.kill_worker(lost)
-        wait_until(lambda: len(mn.cluster.alive_node_ids()) == 2, 60, "the lost node declared dead")
+        _, lost = mn.cluster.workers
         before = mn.controller_pid()
         assert before is not None
+        mn.cluster.kill_worker(lost)
+        wait_until(
+            lambda: len(mn.cluster.worker_node_ids()) == 1, 60, "the lost node declared dead"
+        )
+        assert mn.controller_pid() == before  # on the head: the worker's loss did not touch it
         os.kill(before, signal.SIGKILL)
         wait_until(
             lambda: mn.controller_pid() not in (None, before),
@@ -206,16 +217,23 @@ def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> 
         )
         ended = mn.wait_phase("succeeded", "rolled_back", "aborted", "failed", finished=True)
         assert ended["phase"] in ("succeeded", "rolled_back"), ended
-        only = {n for n, r in mn.cluster.alive_node_ids().items() if r.get("CPU", 0) > 0}
+        only = mn.cluster.worker_node_ids()
         assert len(only) == 1
-        wait_until(
-            lambda: all(set(v) == only for v in spread(mn.cluster).values() if v),
-            120,
-            "every replica on the surviving worker",
-            every=1.0,
-        )
-        rows = mn.status().get("replicas") or []
-        assert rows and all(r["actual"] == r["desired"] for r in rows if r["desired"]), rows
+
+        def replaced() -> bool:
+            placed, wanted = spread(mn.cluster), mn.cluster.target_replicas("ranker")
+            return all(
+                set(placed.get(d) or {}) <= only and sum((placed.get(d) or {}).values()) == n
+                for d, n in wanted.items()
+            )
+
+        wait_until(replaced, 120, "every replica again, on the surviving worker", every=1.0)
+
+        def serving_their_targets() -> bool:
+            rows = mn.status().get("replicas") or []
+            return bool(rows) and all(r["actual"] == r["desired"] for r in rows if r["desired"])
+
+        wait_until(serving_their_targets, 120, "every replica on its desired target", every=1.0)
     finally:
         records = traffic.stop()
     assert len(records) > 50
@@ -223,4 +241,3 @@ def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> 
     assert gave_up == [], gave_up[:5]
     retried = sum(1 for r in records if r.attempts > 1)
     print(f"multinode: {len(records)} calls, {retried} retried at least once")
-    assert list((survivor.work_dir / "cache").rglob("*.safetensors"))
