@@ -68,7 +68,7 @@ from app.demo_artifacts import DEMO_PARAMS, make_demo_artifacts
 from app.features import NUM_FEATURES
 from app.polling import wait_until
 from rollout.local_cluster import LocalCluster
-from rollout.multinode import MultiNodeCluster
+from rollout.multinode import MultiNodeCluster, pinned_layout
 from tests.artifacts import pack_ranker
 
 MAX_REQUESTS_PER_PHASE = 20_000
@@ -321,19 +321,8 @@ def main() -> int:
     # nothing here reads the metrics.
     multinode: MultiNodeCluster | None = None
     if args.layout == "multinode":
-        head_core, worker_core = sorted(os.sched_getaffinity(0))[:2]
-        # Before anything reads Ray's config (the REST client's token does): this driver joins
-        # a cluster with token auth.
-        os.environ["RAY_AUTH_MODE"] = "token"
-        multinode = MultiNodeCluster.start(
-            work,
-            workers=1,
-            cpus_per_worker=4,
-            metrics_report_interval_ms=10_000,
-            head_cpus=str(head_core),
-            worker_cpus=str(worker_core),
-        )
-        os.sched_setaffinity(0, {head_core})  # this driver and, inherited, the load generator
+        # This driver and, inherited, the load generator run on the head's core.
+        multinode = pinned_layout(work)
         import ray
 
         try:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.demo_artifacts import make_demo_artifacts
 from bench.bench_router import body, traffic
-from rollout.multinode import MultiNodeCluster, _descendants, _processes_naming
+from rollout.multinode import MultiNodeCluster, _descendants, _processes_naming, pinned_layout
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -87,19 +87,9 @@ def main() -> int:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         parser.error("needs two cores: one for the head, one for the worker")
-    os.environ["RAY_AUTH_MODE"] = "token"
     work = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
     demo = {p.artifact_id: p for p in make_demo_artifacts(work / "store")}
-    head_core, worker_core = sorted(os.sched_getaffinity(0))[:2]
-    cluster = MultiNodeCluster.start(
-        work,
-        workers=1,
-        cpus_per_worker=4,
-        metrics_report_interval_ms=10_000,
-        head_cpus=str(head_core),
-        worker_cpus=str(worker_core),
-    )
-    os.sched_setaffinity(0, {head_core})
+    cluster = pinned_layout(work)
     clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     rest = cluster.serve_control()
     try:

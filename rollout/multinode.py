@@ -337,6 +337,29 @@ class MultiNodeCluster:
         return {n for n, resources in self.alive_node_ids().items() if resources.get("CPU")}
 
 
+def pinned_layout(
+    work: Path, *, cpus_per_worker: int = 4, metrics_report_interval_ms: int = 10_000
+) -> MultiNodeCluster:
+    """The production-like layout of the benchmarks on a machine of two cores or more: the
+    head on the first core this process may use, one worker node on the second, and this
+    process (and, inherited, whatever it starts next: a load generator) moved to the head's
+    core. Token auth for this process too, set before anything reads Ray's config."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("the pinned layout needs two cores: one for the head, one for a worker")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    cluster = MultiNodeCluster.start(
+        work,
+        workers=1,
+        cpus_per_worker=cpus_per_worker,
+        metrics_report_interval_ms=metrics_report_interval_ms,
+        head_cpus=str(cores[0]),
+        worker_cpus=str(cores[1]),
+    )
+    os.sched_setaffinity(0, {cores[0]})
+    return cluster
+
+
 def ensure_token() -> None:
     """The user's cluster token (``~/.ray/auth_token``), made as the README says when missing."""
     if (Path.home() / ".ray" / "auth_token").is_file():
