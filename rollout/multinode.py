@@ -241,17 +241,7 @@ class MultiNodeCluster:
         """Ends this cluster's processes only (TERM, then KILL), and removes its temp dir.
         Ray renames its workers and agents (``ray::...``), so they are found as the children
         of the processes that name the temp dir, collected before any of those ends."""
-        found = [pid for pid, _ in _processes_naming(self.temp_dir)]
-        pids = sorted({*found, *(c for pid in found for c in _descendants(pid))})
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            try:
-                wait_until(lambda: not any(map(_running, pids)), 20, "cluster processes gone")
-                break
-            except WaitTimeout:
-                continue
+        stop_cluster_processes(self.temp_dir)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ Serve
@@ -365,6 +355,23 @@ def ensure_token() -> None:
     if (Path.home() / ".ray" / "auth_token").is_file():
         return
     subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)
+
+
+def stop_cluster_processes(temp_dir: str, timeout_s: float = 20.0) -> None:
+    """End the processes of the Ray cluster whose temp dir is ``temp_dir`` (TERM, then KILL
+    what is left), and no other: those with an option naming it, and their children (Ray
+    renames its workers and agents ``ray::...``), collected before any of them ends."""
+    found = [pid for pid, _ in _processes_naming(temp_dir)]
+    pids = sorted({*found, *(c for pid in found for c in _descendants(pid))})
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        try:
+            wait_until(lambda: not any(map(_running, pids)), timeout_s, "cluster processes gone")
+            return
+        except WaitTimeout:
+            continue
 
 
 def _processes_naming(text: str) -> list[tuple[int, str]]:

@@ -7,17 +7,16 @@ What the launcher does on a VM and this test cannot (ssh, `ray stop`, which kill
 process on the machine, and the autoscaler's bootstrap config, which `ray up` writes) is
 left out, and the test says so where it leaves it out. The commands get only isolation
 arguments on top (free ports, a temp dir, one CPU), so that this cluster shares nothing
-with others on the machine; it is stopped by the PIDs of its processes, found by its temp dir.
+with others on the machine; it is stopped by the PIDs of its processes, found by its temp dir
+(rollout.multinode's way).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,9 +28,9 @@ from typing import Any
 import pytest
 import yaml
 
-from app.polling import wait_until
 from deployments.app import PROJECT_ROOT
 from rollout.local_cluster import free_port
+from rollout.multinode import stop_cluster_processes
 
 pytestmark = pytest.mark.cluster
 
@@ -122,34 +121,6 @@ def _isolation(temp_dir: str) -> list[str]:
         f"--object-manager-port={free_port()}",
         "--disable-usage-stats",
     ]
-
-
-def _pids_of(temp_dir: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if temp_dir in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
-def _stop(temp_dir: str) -> None:
-    """Stop this cluster's processes only: those whose command line names its temp dir
-    (raylets, GCS, dashboard, agents, workers), TERM first, then KILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _pids_of(temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        try:
-            wait_until(lambda: not _pids_of(temp_dir), 20, "cluster processes gone")
-            return
-        except Exception:
-            continue
 
 
 @pytest.fixture
@@ -254,6 +225,6 @@ def test_the_start_commands_bring_up_a_token_cluster_the_controller_reads(
         assert ping["metrics_export_interval_s"] == 2.0
         assert ping["window_delay_s"] == pytest.approx(3.4)  # 1 s flush + 1.2 x 2 s
     finally:
-        _stop(temp_dir)
+        stop_cluster_processes(temp_dir)
         time.sleep(0.5)
         shutil.rmtree(temp_dir, ignore_errors=True)
