@@ -1012,6 +1012,8 @@ class ControllerPing(ControllerSettings):
     """The controller actor is up: its process, ticks so far and the drift it repaired."""
 
     pid: Annotated[int, Field(ge=0, le=1 << 32)]
+    # The Ray node it runs on (hex ID; None: a controller older than this field).
+    node_id: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,128}$")] | None = None
     ticks: Annotated[int, Field(ge=0)]
     repaired: tuple[Text, ...] | None
     # Ray's metrics report interval as the controller's process reads it (None: unread, or a

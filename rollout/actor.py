@@ -25,6 +25,7 @@ from rollout.cluster import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
     DEFAULT_TIMEOUT_S,
+    HEAD_NODE_RESOURCE,
     call,
     find_controller,
 )
@@ -81,6 +82,13 @@ def router_standby(handle: Any, timeout_s: float) -> StandbyView | None:
     answer = handle.status.remote().result(timeout_s=timeout_s)
     standby = getattr(answer, "standby", None)
     return None if standby is None else StandbyView.model_validate(standby)
+
+
+def _this_node_id() -> str | None:
+    import ray
+
+    # Outside Ray (never the actor itself) the runtime context would start a local cluster.
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def metrics_export_interval_s() -> float | None:
@@ -164,6 +172,7 @@ class RolloutController:
             ControllerPing(
                 **self.settings.model_dump(),
                 pid=os.getpid(),
+                node_id=_this_node_id(),
                 ticks=self._ticks,
                 repaired=None if self.repaired is None else tuple(self.repaired),
                 metrics_export_interval_s=self.engine.metrics_export_interval_s,
@@ -233,17 +242,10 @@ def get_controller(name: str = CONTROLLER_NAME, timeout_s: float = DEFAULT_TIMEO
     return find_controller(name, timeout_s)
 
 
-def on_the_head_node() -> Any:
+def on_the_head_node() -> dict[str, float]:
     """The controller's place: the head node, with the control plane, where losing a worker
-    (a GPU node) does not take the controller with it; anywhere while the head cannot take it
-    (soft). None (Ray's default) when the head is not known."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
-            return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=True)
-    return None
+    (a GPU node) does not take the controller with it."""
+    return {HEAD_NODE_RESOURCE: 0.001}
 
 
 def ensure_controller(
@@ -268,7 +270,7 @@ def ensure_controller(
         num_cpus=0,
         max_concurrency=16,
         max_restarts=-1,
-        scheduling_strategy=on_the_head_node(),
+        resources=on_the_head_node(),
     ).remote(settings.model_dump())
     if timeout_s is None:
         ray.get(handle.ping.remote())

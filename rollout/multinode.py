@@ -30,6 +30,7 @@ from typing import Any
 
 from app.polling import WaitTimeout, wait_until
 from app.replica import NODE_CACHE_DIR_ENV
+from rollout.cluster import HEAD_NODE_RESOURCE
 from rollout.local_cluster import free_port
 from rollout.serve_control import ServeControl, ServeUnreachable
 
@@ -321,6 +322,12 @@ class MultiNodeCluster:
         # Ray may print its own lines (a node's death among them) around ours.
         line = next(x for x in done.stdout.splitlines() if x.startswith("NODES "))
         return json.loads(line.removeprefix("NODES "))
+
+    def head_node_id(self) -> str:
+        (head,) = (
+            n for n, resources in self.alive_node_ids().items() if HEAD_NODE_RESOURCE in resources
+        )
+        return head
 
     def worker_node_ids(self) -> set[str]:
         """Alive nodes that can take replicas (the head has no CPU)."""

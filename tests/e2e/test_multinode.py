@@ -70,6 +70,9 @@ class MultiNodeEnv:
         ping = self.rollout("controller", "status", check=False)
         return None if ping is None else int(ping["pid"])
 
+    def controller_node(self) -> str:
+        return self.rollout("controller", "status")["node_id"]
+
     def status(self) -> dict[str, Any]:
         return self.rollout("status")
 
