@@ -33,7 +33,7 @@ from app.safe_text import redact_in, redact_uri, terminal_safe
 # fault tolerance) as well, since it names no node ID. A soft NodeAffinity to the head's ID
 # was tried first: measured on a three-node cluster, Ray 2.60 placed the actor on a worker in
 # most tries although the head could take it (it asks for no CPU).
-HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_NODE_RESOURCE: Final = "node:__internal_head__"
 
 CONTROLLER_NAME: Final = "rollout-controller"
 CONTROLLER_NAMESPACE: Final = "rollout"
