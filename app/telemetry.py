@@ -74,9 +74,11 @@ STANDBY_GAUGES: Final = (
 # chose the cohort but the router sent the request elsewhere at once (breaker open, nothing
 # serving), counted without a latency so the judge sees the cohort failing rather than idle.
 
-# Bucket bounds (ms) for latency: steps of at most 1.33x (1.25x mostly) from 1 ms to 30 s, so
-# a quantile read from them is within a few percent, and 1.5x of most bounds is a bound too
-# (the judge's "1.5x stable p99" limit then splits no bucket; rollout/sequential.py).
+# Bucket bounds (ms) for latency: steps of at most 1.33x (1.25x mostly) from 1 ms to 10 s and
+# 1.5x above (10-15 s, 20-30 s), so a quantile read from them is within a few percent below
+# 10 s, and 1.5x of most bounds is a bound too (the judge's "1.5x stable p99" limit then splits
+# no bucket; rollout/sequential.py). Changing them is a rolling change for the judge: it reads
+# every router at the bounds they all export (rollout/metrics.py).
 LATENCY_BOUNDARIES_MS: Final = (
     1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7.5, 10, 12.5, 15, 20, 25, 30, 40, 50, 60, 75,
     100, 125, 150, 200, 250, 300, 400, 500, 600, 750, 1000, 1250, 1500, 2000, 2500, 3000,

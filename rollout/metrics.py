@@ -17,6 +17,7 @@ Prometheus' ``histogram_quantile`` does.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -65,14 +66,38 @@ class MetricsSnapshot:
     values: Mapping[SeriesKey, float]
 
 
+BucketSource = tuple[tuple[str, str], ...]
+
+
 @dataclass
 class CohortCounts:
-    """Increases over one window for one cohort."""
+    """Increases over one window for one cohort. Latency buckets are kept per source (a
+    router replica's label set, ``le`` aside) until they are read, because sources need not
+    export the same bounds: during a rolling upgrade that changes them, a bound that one
+    router lacks would otherwise read as a cumulative count short of that router's requests,
+    that is, as requests slower than the bound (what the judge counts against a canary)."""
 
     outcomes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    buckets: dict[float, float] = field(default_factory=lambda: defaultdict(float))
+    sources: dict[BucketSource, dict[float, float]] = field(default_factory=dict)
+
+    def add_bucket(self, source: BucketSource, le: float, value: float) -> None:
+        counts = self.sources.setdefault(source, {})
+        counts[le] = counts.get(le, 0.0) + value
+
+    @property
+    def buckets(self) -> dict[float, float]:
+        """The cumulative histogram summed over sources, at the bounds every source that
+        observed something in the window exports (+Inf is one of them): each count then
+        holds every source's requests at or below its bound."""
+        observed = [c for c in self.sources.values() if c.get(math.inf, 0.0) > 0]
+        contributing = observed or list(self.sources.values())
+        if not contributing:
+            return {}
+        common = set.intersection(*(set(c) for c in contributing))
+        return {le: sum(c[le] for c in contributing) for le in sorted(common)}
 
     def to_stats(self) -> CohortStats:
+        buckets = self.buckets
         requests = round(sum(self.outcomes.values()))
         errors = {
             outcome: round(n) for outcome, n in self.outcomes.items() if outcome != OK_OUTCOME
@@ -80,9 +105,9 @@ class CohortCounts:
         return CohortStats(
             requests=requests,
             errors={k: v for k, v in errors.items() if v},
-            p50_ms=quantile_from_buckets(0.5, self.buckets),
-            p99_ms=quantile_from_buckets(0.99, self.buckets),
-            latency_buckets=dict(self.buckets),
+            p50_ms=quantile_from_buckets(0.5, buckets),
+            p99_ms=quantile_from_buckets(0.99, buckets),
+            latency_buckets=buckets,
         )
 
 
@@ -192,7 +217,8 @@ def cohort_window(
         if name == REQUESTS_SERIES:
             counts.outcomes[labels.get(telemetry.OUTCOME, OK_OUTCOME)] += value
         elif name == LATENCY_SERIES + "_bucket":
-            counts.buckets[float(labels["le"])] += value
+            source = tuple((k, v) for k, v in label_items if k != "le")
+            counts.add_bucket(source, float(labels["le"]), value)
     return by_cohort
 
 
@@ -344,13 +370,16 @@ class PromQLSource:
                 counts[cohort].outcomes[row["metric"].get("outcome", OK_OUTCOME)] += float(
                     row["value"][1]
                 )
+        # By replica too: routers may export different bounds (see CohortCounts.buckets).
         buckets = self.query(
-            f"sum by (cohort, le) (increase({LATENCY_SERIES}_bucket{sel}[{span}]))", end
+            f"sum by (cohort, le, replica) (increase({LATENCY_SERIES}_bucket{sel}[{span}]))", end
         )
         for row in buckets:
-            cohort = row["metric"].get("cohort")
+            labels = row["metric"]
+            cohort = labels.get("cohort")
             if cohort in counts:
-                counts[cohort].buckets[float(row["metric"]["le"])] += float(row["value"][1])
+                source = (("replica", labels.get("replica", "")),)
+                counts[cohort].add_bucket(source, float(labels["le"]), float(row["value"][1]))
         return to_window(counts, start, end, self._shadow_between(span, end))
 
     def _shadow_between(self, span: str, end: float) -> ShadowWindow:

@@ -22,6 +22,7 @@ from rollout.metrics import (
     window_increase,
     windows_for,
 )
+from rollout.sequential import slower_than
 
 INF = math.inf
 
@@ -58,7 +59,12 @@ def test_window_increase_handles_resets_new_and_vanished_series():
 class Exporter:
     """A real Prometheus endpoint with the router's metric names (as Ray exports them)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        buckets: tuple[float, ...] = telemetry.LATENCY_BOUNDARIES_MS,
+        replica: str = "r1",
+    ) -> None:
+        self.bounds, self.replica = buckets, replica
         self.reset()
         exporter = self
 
@@ -88,12 +94,12 @@ class Exporter:
             "ray_" + telemetry.ROUTER_LATENCY_MS,
             "",
             labels,
-            buckets=telemetry.LATENCY_BOUNDARIES_MS,
+            buckets=self.bounds,
             registry=self.registry,
         )
 
     def serve(self, cohort: str, latency_ms: float, n: int, outcome: str = "ok") -> None:
-        labels = ("ranker", "router", "r1", cohort, outcome)
+        labels = ("ranker", "router", self.replica, cohort, outcome)
         self.requests.labels(*labels).inc(n)
         for _ in range(n):
             self.latency.labels(*labels).observe(latency_ms)
@@ -137,6 +143,34 @@ def test_scrape_source_reports_per_cohort_windows(exporter):
     w = windows.window_between(10, 20)
     assert w.canary.requests == 7
     assert w.stable is None  # no stable series moved... and none exists after the reset
+
+
+def test_routers_with_different_bucket_bounds_are_read_at_the_bounds_they_share():
+    # A rolling upgrade: the old router has no 250 ms bound, the new one has. Summed bound by
+    # bound, 250 would hold only the new router's requests: the old one's would read as
+    # certainly slower than 250 ms, although every request here took 240 ms.
+    old_bounds = tuple(b for b in telemetry.LATENCY_BOUNDARIES_MS if b != 250)
+    old, new = Exporter(old_bounds, replica="old"), Exporter(replica="new")
+    try:
+        clock = iter(range(0, 1000, 10))
+        windows = SnapshotWindows(
+            RayScrapeSource(
+                lambda: [old.url, new.url], application="ranker", clock=lambda: next(clock)
+            )
+        )
+        windows.observe()
+        old.serve("canary", 240, 60)
+        new.serve("canary", 240, 40)
+        new.serve("stable", 240, 10)  # only the new router serves stable: all its bounds
+        windows.observe()
+        w = windows.window_between(0, 10)
+        canary = w.canary.latency_buckets
+        assert 250 not in canary and canary[300] == 100 and canary[200] == 0
+        assert slower_than(canary, 250) == (0, 100)  # possibly slower, never certainly
+        assert w.stable.latency_buckets[250] == 10
+    finally:
+        old.close()
+        new.close()
 
 
 def test_a_window_starts_at_the_first_snapshot_taken_at_or_after_its_start(exporter):
