@@ -872,14 +872,15 @@ EValue = Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)]
 
 class EvidenceView(Contract):
     """One check's evidence after a window (sequential judge): its e-values against the
-    canary and for it, and the bounds that fail it (``fail_at``) and pass it (``pass_at``;
-    None for the sample-ratio guard, which only holds)."""
+    canary and for it, and the bounds that fail it (``fail_at``) and pass it (``pass_at``).
+    The sample-ratio guard neither fails nor passes a canary: it has ``hold_at`` instead."""
 
     check: Name
     against: EValue
     supporting: EValue | None = None
-    fail_at: EValue
+    fail_at: EValue | None = None
     pass_at: EValue | None = None
+    hold_at: EValue | None = None
 
 
 class VerdictView(Contract):

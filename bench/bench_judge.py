@@ -138,10 +138,20 @@ def cohort(rng: np.random.Generator, latencies: np.ndarray, error_rate: float) -
     )
 
 
+PROMOTED, BY_JUDGE, AT_DEADLINE = "promoted", "judge", "deadline"
+
+
 @dataclass(frozen=True)
 class Result:
-    promoted: bool
+    """How one simulated rollout ended: promoted, rolled back by the judge (evidence against
+    the canary, or the threshold judge's failed windows), or at a step's progress deadline."""
+
+    ended: str
     windows: int
+
+    @property
+    def promoted(self) -> bool:
+        return self.ended == PROMOTED
 
 
 Windows = Callable[[int, int], WindowStats]  # (step, window index) -> the window
@@ -159,9 +169,11 @@ def simulate(plan: RolloutPlan, windows: Windows) -> Result:
             window = windows(step, index)
             judged += 1
             if plan.judge == "sequential":
-                verdict, evidence = judge_sequential(window, evidence, plan, canary_bp=bp)
+                verdict, evidence = judge_sequential(
+                    window, evidence, plan, canary_bp=bp, step_index=step
+                )
                 if verdict.outcome is Outcome.FAIL:
-                    return Result(False, judged)
+                    return Result(BY_JUDGE, judged)
             else:
                 verdict = judge(
                     window, plan.checks, min_requests=plan.min_requests,
@@ -170,13 +182,13 @@ def simulate(plan: RolloutPlan, windows: Windows) -> Result:
                 if verdict.outcome is Outcome.FAIL:
                     failed_in_a_row += 1
                     if failed_in_a_row >= plan.threshold:
-                        return Result(False, judged)
+                        return Result(BY_JUDGE, judged)
                     continue
             if verdict.outcome is Outcome.PASS:
                 break
         else:
-            return Result(False, judged)  # the step's progress deadline
-    return Result(True, judged)
+            return Result(AT_DEADLINE, judged)
+    return Result(PROMOTED, judged)
 
 
 def summary(results: list[Result], regression: bool) -> dict[str, Any]:
@@ -193,6 +205,13 @@ def summary(results: list[Result], regression: bool) -> dict[str, Any]:
         "p90_windows_to_rollback": pct(rolled_back, 90),
         "missed_rate": round(len(promoted) / len(results), 4) if regression else 0.0,
         "median_windows_to_promote": pct(promoted, 50),
+        # How the rollbacks came about: the judge's evidence vs a step's progress deadline.
+        "judge_rollback_rate": round(
+            sum(r.ended == BY_JUDGE for r in results) / len(results), 4
+        ),
+        "deadline_rollback_rate": round(
+            sum(r.ended == AT_DEADLINE for r in results) / len(results), 4
+        ),
     }
 
 

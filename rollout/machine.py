@@ -652,7 +652,11 @@ class _Tick:
             )
         elif s.plan.judge == "sequential":
             verdict, s.evidence = judge_sequential(
-                window, s.evidence, s.plan, canary_bp=s.weights.canary_bp
+                window,
+                s.evidence,
+                s.plan,
+                canary_bp=s.weights.canary_bp,
+                step_index=max(s.step_index, 0),
             )
             levels = JudgeLevels(s.plan.alpha, s.plan.beta, enabled_checks(s.plan.checks))
             evidence = tuple(
@@ -660,8 +664,9 @@ class _Tick:
                     check=c.name,
                     against=capped(c.evidence_against),
                     supporting=None if c.evidence_for is None else capped(c.evidence_for),
-                    fail_at=levels.fail_at if c.evidence_for is not None else 1 / s.plan.alpha,
-                    pass_at=levels.pass_at if c.evidence_for is not None else None,
+                    fail_at=levels.fail_at if c.name != SAMPLE_RATIO else None,
+                    pass_at=levels.pass_at if c.name != SAMPLE_RATIO else None,
+                    hold_at=1 / s.plan.alpha if c.name == SAMPLE_RATIO else None,
                 )
                 for c in verdict.checks
                 if c.evidence_against is not None

@@ -28,6 +28,15 @@ and however often it is checked):
 
 Neither crossed: INCONCLUSIVE (hold; the progress deadline bounds holding).
 
+Evidence against the canary is kept over the whole rollout *and* restarted at each later
+step: a canary that was healthy at 5% for a long time has driven the whole-rollout process far
+below 1, so a regression that only shows at 50% (load, a cohort of users) would first have to
+climb back. The value compared with ``checks / alpha`` is an average of e-processes fixed in
+advance: half on the whole-rollout one, half shared equally by one process per later step
+(started at that step, 1 before it, kept at its last value after it). An average of test
+supermartingales is one, so Ville's inequality still holds for it; the price is a factor 2
+on the whole-rollout process and ``2 (steps - 1)`` on a step's own.
+
 Every test here is about a Bernoulli rate with a bound ``p0`` that may change from window to
 window (the canary's share of traffic changes with the weight). The e-process is a mixture of
 likelihood ratios over a grid of alternatives, each an odds ratio ``phi`` against that
@@ -68,6 +77,15 @@ TAIL: Final = 0.01
 # the bound to one that never crosses it (0: no such request at all).
 AGAINST_ODDS: Final = (1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0, 1000.0)
 FOR_ODDS: Final = (0.0, 0.1, 0.3, 0.6)
+# The alternatives evidence was computed over before each process recorded its own grid: a
+# state saved then resumes on these, whatever the constants above become.
+_UNRECORDED_ODDS: Final = {
+    True: (1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0, 1000.0),
+    False: (0.0, 0.1, 0.3, 0.6),
+}
+# The whole-rollout process' share of the evidence against the canary; the rest is shared by
+# the processes restarted at each later step (see the module docstring).
+ROLLOUT_SHARE: Final = 0.5
 # How far the stable reference quantile is moved for each side, in binomial standard errors
 # of its rank (see _stable_reference).
 REFERENCE_Z: Final = 2.0
@@ -132,43 +150,91 @@ class RateEvidence:
             return math.inf
         return math.exp(top) * sum(math.exp(w - top) for w in finite) / len(self.log_wealth)
 
+    def fresh(self) -> RateEvidence:
+        """A process of the same test and alternatives that has seen nothing yet."""
+        return RateEvidence(above=self.above, grid=self.odds)
+
     def to_dict(self) -> dict[str, Any]:
-        # -inf (an alternative ruled out for good) is not JSON: stored as null.
-        data: dict[str, Any] = {
+        # -inf (an alternative ruled out for good) is not JSON: stored as null. The grid is
+        # stored with the wealth it indexes, so a later change of the default alternatives
+        # cannot pair a resumed rollout's wealth with other alternatives.
+        return {
             "above": self.above,
             "log_wealth": [None if w == -math.inf else w for w in self.log_wealth],
+            "grid": list(self.odds),
         }
-        if self.grid is not None:
-            data["grid"] = list(self.grid)
-        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RateEvidence:
+        above = bool(data["above"])
         wealth = [-math.inf if w is None else float(w) for w in data.get("log_wealth", [])]
-        grid = data.get("grid")
-        return cls(
-            above=bool(data["above"]),
-            log_wealth=wealth,
-            grid=None if grid is None else tuple(float(g) for g in grid),
-        )
+        recorded = data.get("grid")
+        grid = _UNRECORDED_ODDS[above] if recorded is None else tuple(float(g) for g in recorded)
+        if wealth and len(wealth) != len(grid):
+            raise ValueError(
+                f"evidence holds {len(wealth)} alternatives' wealth for a grid of {len(grid)}"
+            )
+        return cls(above=above, log_wealth=wealth, grid=grid)
 
 
 @dataclass
 class CheckEvidence:
     """A check's evidence: against the canary and for it. The error check's union hypothesis
     (ratio or floor) has a pair of processes for each part: the canary fails only when both
-    parts are rejected, and passes when either part's non-inferiority is shown."""
+    parts are rejected, and passes when either part's non-inferiority is shown.
+
+    ``against`` runs over the whole rollout; ``against_in_step`` is the same test restarted
+    at step ``step`` (an index >= 1; 0: no later step reached yet), and ``ended_in_steps``
+    the sum, per part, of the earlier later steps' processes at their end. ``later_steps`` is
+    how many steps after the first the plan has (0: no restarts, as a state saved before
+    they existed)."""
 
     against: list[RateEvidence] = field(default_factory=lambda: [RateEvidence(above=True)])
     supporting: list[RateEvidence] = field(default_factory=lambda: [RateEvidence(above=False)])
     # Counts the evidence is about, over the whole rollout: shown with the verdicts.
     counts: dict[str, float] = field(default_factory=dict)
+    later_steps: int = 0
+    step: int = 0
+    against_in_step: list[RateEvidence] = field(default_factory=list)
+    ended_in_steps: list[float] = field(default_factory=list)
+
+    def enter_step(self, index: int) -> None:
+        """Start the evidence restarted at step ``index`` (idempotent; steps only go up)."""
+        if self.later_steps <= 0 or index <= self.step:
+            return
+        index = min(index, self.later_steps)
+        ended = list(self.ended_in_steps) or [0.0] * len(self.against)
+        for part in range(len(self.against)):
+            if self.step >= 1:
+                ended[part] += self.against_in_step[part].e_value
+            # Steps between (none judged: their processes stayed at 1) end at 1.
+            ended[part] += max(0, index - self.step - 1)
+        self.ended_in_steps = ended
+        self.against_in_step = [p.fresh() for p in self.against]
+        self.step = index
+
+    def update_against(self, part: int, successes: int, trials: int, bound: float) -> None:
+        self.against[part].update(successes, trials, bound)
+        if self.step >= 1:
+            self.against_in_step[part].update(successes, trials, bound)
+
+    def against_part(self, part: int) -> float:
+        """The average of the whole-rollout process and the per-step ones (steps not reached
+        yet count at their starting value 1)."""
+        whole = self.against[part].e_value
+        if self.later_steps <= 0:
+            return whole
+        ended = self.ended_in_steps[part] if self.ended_in_steps else 0.0
+        current = self.against_in_step[part].e_value if self.step >= 1 else 0.0
+        to_come = self.later_steps - self.step
+        per_step = (ended + current + to_come) / self.later_steps
+        return ROLLOUT_SHARE * whole + (1 - ROLLOUT_SHARE) * per_step
 
     @property
     def e_against(self) -> float:
         # Rejecting "ratio ok or floor ok" needs both rejected: the smaller value is an
         # e-value for the union.
-        return min(p.e_value for p in self.against)
+        return min(self.against_part(part) for part in range(len(self.against)))
 
     @property
     def e_for(self) -> float:
@@ -183,22 +249,38 @@ class CheckEvidence:
             "against": [p.to_dict() for p in self.against],
             "for": [p.to_dict() for p in self.supporting],
             "counts": dict(self.counts),
+            "later_steps": self.later_steps,
+            "step": self.step,
+            "against_in_step": [p.to_dict() for p in self.against_in_step],
+            "ended_in_steps": list(self.ended_in_steps),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CheckEvidence:
-        return cls(
+        evidence = cls(
             against=[RateEvidence.from_dict(p) for p in data["against"]],
             supporting=[RateEvidence.from_dict(p) for p in data["for"]],
             counts={k: float(v) for k, v in data.get("counts", {}).items()},
+            later_steps=int(data.get("later_steps", 0)),
+            step=int(data.get("step", 0)),
+            against_in_step=[RateEvidence.from_dict(p) for p in data.get("against_in_step", [])],
+            ended_in_steps=[float(v) for v in data.get("ended_in_steps", [])],
         )
+        parts = len(evidence.against)
+        if evidence.step >= 1 and len(evidence.against_in_step) != parts:
+            raise ValueError(f"step {evidence.step} evidence is not one process per part")
+        return evidence
 
 
-def _pair_of_parts() -> CheckEvidence:
-    return CheckEvidence(
-        against=[RateEvidence(above=True), RateEvidence(above=True)],
-        supporting=[RateEvidence(above=False), RateEvidence(above=False)],
+def _check_evidence(paired: bool, later_steps: int, step: int) -> CheckEvidence:
+    parts = 2 if paired else 1
+    evidence = CheckEvidence(
+        against=[RateEvidence(above=True) for _ in range(parts)],
+        supporting=[RateEvidence(above=False) for _ in range(parts)],
+        later_steps=later_steps,
     )
+    evidence.enter_step(step)
+    return evidence
 
 
 @dataclass
@@ -212,12 +294,20 @@ class SequentialEvidence:
     share_counts: dict[str, float] = field(default_factory=dict)
     mismatch_alerted: bool = False
     windows: int = 0
+    # The plan's steps after the first (0: no per-step restarts), and the step judged last.
+    later_steps: int = 0
+    step: int = 0
 
     def check(self, name: str) -> CheckEvidence:
         if name not in self.checks:
             paired = name == ERROR_RATE_VS_STABLE
-            self.checks[name] = _pair_of_parts() if paired else CheckEvidence()
+            self.checks[name] = _check_evidence(paired, self.later_steps, self.step)
         return self.checks[name]
+
+    def enter_step(self, index: int) -> None:
+        self.step = max(self.step, index)
+        for check in self.checks.values():
+            check.enter_step(index)
 
     @property
     def e_mismatch(self) -> float:
@@ -231,6 +321,8 @@ class SequentialEvidence:
             "share_counts": dict(self.share_counts),
             "mismatch_alerted": self.mismatch_alerted,
             "windows": self.windows,
+            "later_steps": self.later_steps,
+            "step": self.step,
         }
 
     @classmethod
@@ -242,6 +334,8 @@ class SequentialEvidence:
             share_counts={k: float(v) for k, v in data.get("share_counts", {}).items()},
             mismatch_alerted=bool(data.get("mismatch_alerted", False)),
             windows=int(data.get("windows", 0)),
+            later_steps=int(data.get("later_steps", 0)),
+            step=int(data.get("step", 0)),
         )
 
     def copy(self) -> SequentialEvidence:
@@ -382,7 +476,7 @@ def _success_rate(
 ) -> CheckResult:
     check = ev.check(SUCCESS_RATE)
     allowed = 1 - floor
-    check.against[0].update(canary.error_count, canary.requests, allowed)
+    check.update_against(0, canary.error_count, canary.requests, allowed)
     check.supporting[0].update(canary.error_count, canary.requests, allowed)
     check.add("errors", canary.error_count)
     check.add("requests", canary.requests)
@@ -402,16 +496,27 @@ def _p99_ceiling(
         trials, certainly, possibly = _latency_trials(
             canary, *slower_than(canary.latency_buckets, ceiling_ms)
         )
-        check.against[0].update(certainly, trials, TAIL)
+        check.update_against(0, certainly, trials, TAIL)
         check.supporting[0].update(possibly, trials, TAIL)
         check.add("slower", certainly)
+        check.add("possibly_slower", possibly)
         check.add("requests", trials)
-    slower, requests = check.counts.get("slower", 0.0), check.counts.get("requests", 0.0)
     facts = (
-        f"p99 ceiling: {_pct(_ratio(slower, requests))} of canary requests "
-        f"({slower:.0f} in {requests:.0f}) slower than {ceiling_ms:g} ms, {_pct(TAIL)} allowed"
+        f"p99 ceiling: {_slower_text(check)} slower than {ceiling_ms:g} ms, {_pct(TAIL)} allowed"
     )
     return _result(P99_CEILING, check, levels, facts)
+
+
+def _slower_text(check: CheckEvidence) -> str:
+    """The certainly slower requests (what counts against the canary) and, where bucket
+    edges leave some undecided, the possibly slower ones (what counts for it)."""
+    counts = check.counts
+    slower, requests = counts.get("slower", 0.0), counts.get("requests", 0.0)
+    possibly = counts.get("possibly_slower", slower)
+    text = f"{_pct(_ratio(slower, requests))} of canary requests ({slower:.0f} in {requests:.0f})"
+    if possibly > slower:
+        text += f", {_pct(_ratio(possibly, requests))} possibly ({possibly:.0f}),"
+    return text
 
 
 def _errors_vs_stable(
@@ -436,10 +541,10 @@ def _errors_vs_stable(
     errors = canary.error_count + stable.error_count
     if errors and canary.requests and stable.requests:
         share = k * canary.requests / (k * canary.requests + stable.requests)
-        check.against[0].update(canary.error_count, errors, share)
+        check.update_against(0, canary.error_count, errors, share)
         check.supporting[0].update(canary.error_count, errors, share)
     floor = checks.error_rate_floor
-    check.against[1].update(canary.error_count, canary.requests, floor)
+    check.update_against(1, canary.error_count, canary.requests, floor)
     check.supporting[1].update(canary.error_count, canary.requests, floor)
     for name, value in (
         ("canary_errors", canary.error_count),
@@ -474,18 +579,26 @@ def _p99_vs_stable(
             certainly, _ = slower_than(canary.latency_buckets, _limit_from(high, checks))
             _, possibly = slower_than(canary.latency_buckets, _limit_from(low, checks))
             trials, certainly, possibly = _latency_trials(canary, certainly, possibly)
-            check.against[0].update(certainly, trials, TAIL)
+            check.update_against(0, certainly, trials, TAIL)
             check.supporting[0].update(possibly, trials, TAIL)
             check.add("slower", certainly)
+            check.add("possibly_slower", possibly)
             check.add("requests", trials)
-            check.counts["limit_ms"] = _limit_from(stable.p99_ms or high, checks)
-    slower, requests = check.counts.get("slower", 0.0), check.counts.get("requests", 0.0)
-    limit = check.counts.get("limit_ms")
-    limit_text = f"{limit:.1f} ms" if limit is not None else "a limit not measured yet"
+            # The limits this window used: stable's p99 moved up for the evidence against
+            # the canary and down for the evidence for it (see _stable_reference).
+            check.counts["limit_ms"] = _limit_from(high, checks)
+            check.counts["limit_for_ms"] = _limit_from(low, checks)
+    limit, limit_for = check.counts.get("limit_ms"), check.counts.get("limit_for_ms")
+    rule = f"max({checks.p99_max_ratio:g}x stable p99, stable p99 + {checks.p99_slack_ms:g} ms)"
+    if limit is None:
+        limit_text = "a limit not measured yet"
+    elif limit_for is None:
+        limit_text = f"last {limit:.1f} ms"
+    else:
+        limit_text = f"last {limit:.1f} ms against the canary, {limit_for:.1f} ms for it"
     facts = (
-        f"p99 vs stable: {_pct(_ratio(slower, requests))} of canary requests "
-        f"({slower:.0f} in {requests:.0f}) slower than {checks.p99_max_ratio:g}x stable p99 "
-        f"(last {limit_text}), {_pct(TAIL)} allowed"
+        f"p99 vs stable: {_slower_text(check)} slower than {rule} ({limit_text}), "
+        f"{_pct(TAIL)} allowed"
     )
     return _result(P99_VS_STABLE, check, levels, facts)
 
@@ -542,15 +655,21 @@ def judge_sequential(
     plan: RolloutPlan,
     *,
     canary_bp: int,
+    step_index: int,
 ) -> tuple[Verdict, SequentialEvidence]:
-    """Add one window to the evidence and judge. ``evidence`` is not modified; the updated
-    copy is returned with the verdict.
+    """Add one window, judged at step ``step_index`` (0-based, of ``plan.steps``), to the
+    evidence and judge. ``evidence`` is not modified; the updated copy is returned with the
+    verdict.
 
     FAIL when any check's evidence against the canary crossed its bound (at once: no
     consecutive-window counter). Else INCONCLUSIVE when the sample-ratio guard tripped, or the
     window is under ``min_requests`` (the sanity floor: evidence still counts, but a step
     does not pass on a window that thin), or a check is undecided. Else PASS."""
-    ev = evidence.copy() if evidence is not None else SequentialEvidence()
+    if evidence is not None:
+        ev = evidence.copy()
+    else:
+        ev = SequentialEvidence(later_steps=max(0, len(plan.steps) - 1))
+    ev.enter_step(step_index)
     ev.windows += 1
     checks = plan.checks
     relative = checks.needs_baseline and canary_bp < 10_000
@@ -603,6 +722,7 @@ def judge_sequential(
 __all__ = [
     "AGAINST_ODDS",
     "FOR_ODDS",
+    "ROLLOUT_SHARE",
     "SAMPLE_RATIO",
     "TAIL",
     "CheckEvidence",

@@ -76,13 +76,15 @@ def gated_step(gate: str | None) -> int | None:
 @dataclass(frozen=True)
 class EvidenceRecord:
     """One check's e-values after a window (sequential judge): against the canary and for it,
-    with the bounds they are held to."""
+    with the bounds they are held to: ``fail_at`` rolls back, ``pass_at`` passes, ``hold_at``
+    holds (the sample-ratio guard, which neither fails nor passes a canary)."""
 
     check: str
     against: float
     supporting: float | None
-    fail_at: float
+    fail_at: float | None
     pass_at: float | None
+    hold_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,6 +17,7 @@ import pytest
 from app.contracts import ReplicaPhase
 from app.errors import ConfigError
 from app.telemetry import LATENCY_BOUNDARIES_MS
+from rollout import sequential
 from rollout.analysis import (
     ERROR_RATE_VS_STABLE,
     P99_VS_STABLE,
@@ -29,8 +30,10 @@ from rollout.machine import Alert, Observations, PoolView, ReplicaObservation, a
 from rollout.plan import RolloutPlan, plan_from_mapping
 from rollout.sequential import (
     SAMPLE_RATIO,
+    CheckEvidence,
     RateEvidence,
     SequentialEvidence,
+    _stable_reference,
     judge_sequential,
     slower_than,
 )
@@ -131,6 +134,24 @@ def test_evidence_survives_a_json_round_trip_including_ruled_out_alternatives():
     assert again.check(ERROR_RATE_VS_STABLE).e_for == check.e_for
 
 
+def test_the_alternatives_are_stored_with_the_wealth_they_index(monkeypatch):
+    process = RateEvidence(above=True)
+    process.update(3, 100, 0.01)
+    stored = process.to_dict()
+    assert stored["grid"] == list(sequential.AGAINST_ODDS)
+    # A later release with other default alternatives resumes on the stored ones.
+    monkeypatch.setattr(sequential, "AGAINST_ODDS", (2.0, 4.0))
+    resumed = RateEvidence.from_dict(stored)
+    assert resumed.odds == tuple(stored["grid"]) and resumed.e_value == process.e_value
+    # Wealth saved before grids were stored is read against the grid it was computed over.
+    stored.pop("grid")
+    assert RateEvidence.from_dict(stored).e_value == process.e_value
+    # Wealth that does not fit its grid is refused, not paired with the wrong alternatives.
+    stored["grid"] = [2.0, 4.0]
+    with pytest.raises(ValueError, match="8 alternatives' wealth for a grid of 2"):
+        RateEvidence.from_dict(stored)
+
+
 # --------------------------------------------------------------------------- the judge
 
 ERRORS_ONLY = {
@@ -142,12 +163,20 @@ ERRORS_ONLY = {
 }
 
 
+def step_of(plan: RolloutPlan, canary_bp: int) -> int:
+    """The step a stream's window is at, from its weight (the plan's steps, else the first)."""
+    percents = [round(p * 100) for p in plan.steps]
+    return percents.index(canary_bp) if canary_bp in percents else 0
+
+
 def run_stream(plan: RolloutPlan, windows, *, seed: int) -> tuple[Outcome, int]:
     """Judge (canary_bp, canary CohortStats, stable CohortStats) windows until a decision."""
     evidence = None
     verdict = None
     for index, (bp, canary, stable) in enumerate(windows(np.random.default_rng(seed))):
-        verdict, evidence = judge_sequential(window(canary, stable), evidence, plan, canary_bp=bp)
+        verdict, evidence = judge_sequential(
+            window(canary, stable), evidence, plan, canary_bp=bp, step_index=step_of(plan, bp)
+        )
         if verdict.outcome is Outcome.FAIL:
             return Outcome.FAIL, index + 1
     assert verdict is not None
@@ -187,12 +216,117 @@ def test_error_ratio_catches_ten_times_the_baseline_within_the_first_step():
     assert np.median([n for _, n in results]) <= 4
 
 
+def good_then_bad(bad_over_stable: float, good_windows: int = 30, bad_windows: int = 40):
+    """A canary as good as stable for ``good_windows`` at 5%, then ``bad_over_stable`` x its
+    error rate at 50% (step 3 of 5 -> 25 -> 50), 4000 requests a window."""
+
+    def windows(rng):
+        for bp, rate, count in (
+            (500, 0.01, good_windows),
+            (5000, 0.01 * bad_over_stable, bad_windows),
+        ):
+            for _ in range(count):
+                n_canary = int(rng.binomial(4000, bp / 10_000))
+                yield bp, cohort(rng, n_canary, rate), cohort(rng, 4000 - n_canary, 0.01)
+
+    return windows
+
+
+def test_a_regression_that_shows_only_at_a_later_step_is_not_masked_by_earlier_health():
+    # 30 healthy windows at 5% drive the whole-rollout evidence against the canary far below
+    # 1; the process restarted at 50% starts afresh and catches 6x the errors there.
+    plan = RolloutPlan(checks=ERRORS_ONLY, steps=(5, 25, 50))
+    for seed in range(10):
+        evidence = None
+        failed_at = None
+        for index, (bp, canary, stable) in enumerate(
+            good_then_bad(6.0)(np.random.default_rng(seed))
+        ):
+            verdict, evidence = judge_sequential(
+                window(canary, stable), evidence, plan, canary_bp=bp, step_index=step_of(plan, bp)
+            )
+            if verdict.outcome is Outcome.FAIL:
+                failed_at = index + 1 - 30
+                break
+        assert failed_at is not None and 1 <= failed_at <= 10, (seed, failed_at)
+        check = evidence.checks[ERROR_RATE_VS_STABLE]
+        # The whole-rollout process alone was still nowhere near its bound.
+        assert check.against[0].e_value < 1, check.against[0].e_value
+        assert check.step == 2 and check.against_in_step[0].e_value > 100
+
+
+def test_the_per_step_restarts_keep_type_one_error_across_steps():
+    # At the hypothesis' edge in every step (3x), the average of the whole-rollout and
+    # per-step processes crosses its bound in at most alpha of the rollouts.
+    plan = RolloutPlan(checks=ERRORS_ONLY, alpha=0.05, steps=(5, 25, 50))
+
+    def at_the_edge(rng):
+        for bp in (500,) * 5 + (2500,) * 5 + (5000,) * 5:
+            n_canary = int(rng.binomial(2000, bp / 10_000))
+            yield bp, cohort(rng, n_canary, 0.03), cohort(rng, 2000 - n_canary, 0.01)
+
+    fails = sum(run_stream(plan, at_the_edge, seed=s)[0] is Outcome.FAIL for s in range(300))
+    assert fails / 300 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 300), fails
+
+
+def test_entering_a_step_ends_the_last_steps_process_and_counts_skipped_ones_at_one():
+    check = CheckEvidence(later_steps=3)
+    assert check.e_against == 1.0  # 0.5 x 1 + 0.5 x (three steps to come at 1) / 3
+    check.update_against(0, 0, 1000, 0.05)  # step 1: no canary errors: evidence drops
+    whole = check.against[0].e_value
+    assert whole < 1 and check.e_against == pytest.approx(0.5 * whole + 0.5)
+    check.enter_step(1)
+    check.update_against(0, 0, 1000, 0.05)
+    in_step = check.against_in_step[0].e_value
+    assert in_step == pytest.approx(whole)  # the same counts from a fresh start
+    check.enter_step(3)  # step 2 never judged: its process ended at 1
+    assert check.ended_in_steps == [pytest.approx(in_step + 1.0)]
+    assert check.against_in_step[0].log_wealth == [] and check.step == 3
+    expected = 0.5 * check.against[0].e_value + 0.5 * (in_step + 1.0 + 1.0) / 3
+    assert check.e_against == pytest.approx(expected)
+    check.enter_step(2)  # steps only go up
+    assert check.step == 3
+    assert CheckEvidence.from_dict(check.to_dict()).to_dict() == check.to_dict()
+
+
+def test_the_inputs_of_the_judge_are_left_as_they_were():
+    plan = RolloutPlan(checks=ERRORS_ONLY, steps=(5, 25, 50))
+    rng = np.random.default_rng(5)
+    _, evidence = judge_sequential(
+        window(cohort(rng, 500, 0.01), cohort(rng, 9500, 0.01)),
+        None,
+        plan,
+        canary_bp=500,
+        step_index=0,
+    )
+    before = evidence.to_dict()
+    judge_sequential(
+        window(cohort(rng, 5000, 0.2), cohort(rng, 5000, 0.01)),
+        evidence,
+        plan,
+        canary_bp=5000,
+        step_index=2,
+    )
+    assert evidence.to_dict() == before
+
+
+def test_the_stable_reference_moves_to_each_sides_cautious_side():
+    rng = np.random.default_rng(2)
+    stable = CohortStats(2000, latency_buckets=histogram(rng.lognormal(3.5, 0.5, 2000)))
+    against, supporting = _stable_reference(stable, +1), _stable_reference(stable, -1)
+    assert against is not None and supporting is not None
+    middle = quantile_from_buckets(0.99, stable.latency_buckets)
+    assert supporting < middle < against
+
+
 def test_no_errors_anywhere_leaves_the_ratio_undecided_and_the_floor_shows_the_canary_fine():
     plan = RolloutPlan(checks={**ERRORS_ONLY, "error_rate_floor": 0.01})
     canary, stable = CohortStats(2000), CohortStats(20_000)
     evidence = None
     for _ in range(3):
-        verdict, evidence = judge_sequential(window(canary, stable), evidence, plan, canary_bp=909)
+        verdict, evidence = judge_sequential(
+            window(canary, stable), evidence, plan, canary_bp=909, step_index=0
+        )
     assert evidence is not None
     parts = evidence.checks[ERROR_RATE_VS_STABLE]
     assert parts.against[0].log_wealth == [] and parts.supporting[0].log_wealth == []
@@ -202,7 +336,9 @@ def test_no_errors_anywhere_leaves_the_ratio_undecided_and_the_floor_shows_the_c
 
 def test_a_cohort_without_traffic_adds_no_evidence_and_never_fails():
     plan = RolloutPlan()
-    verdict, evidence = judge_sequential(window(None, None), None, plan, canary_bp=500)
+    verdict, evidence = judge_sequential(
+        window(None, None), None, plan, canary_bp=500, step_index=0
+    )
     assert verdict.outcome is Outcome.INCONCLUSIVE
     assert all(c.e_against == 1.0 and c.e_for == 1.0 for c in evidence.checks.values())
     assert "canary served 0 requests" in verdict.summary()
@@ -214,15 +350,27 @@ def test_a_window_under_min_requests_counts_but_cannot_pass_a_step():
     evidence = None
     for _ in range(20):  # plenty of good evidence
         _, evidence = judge_sequential(
-            window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)), evidence, plan, canary_bp=5000
+            window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)),
+            evidence,
+            plan,
+            canary_bp=5000,
+            step_index=0,
         )
     thin, _ = judge_sequential(
-        window(cohort(rng, 50, 0.0), cohort(rng, 1000, 0.0)), evidence, plan, canary_bp=5000
+        window(cohort(rng, 50, 0.0), cohort(rng, 1000, 0.0)),
+        evidence,
+        plan,
+        canary_bp=5000,
+        step_index=0,
     )
     assert thin.outcome is Outcome.INCONCLUSIVE
     assert "canary served 50 requests in this window, 100 needed" in thin.summary()
     full, _ = judge_sequential(
-        window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)), evidence, plan, canary_bp=5000
+        window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)),
+        evidence,
+        plan,
+        canary_bp=5000,
+        step_index=0,
     )
     assert full.outcome is Outcome.PASS, full.summary()
 
@@ -258,7 +406,7 @@ def test_explanations_name_the_rates_the_evidence_and_the_bound():
     plan = RolloutPlan(checks=ERRORS_ONLY)
     canary = CohortStats(1000, {"error": 60})
     stable = CohortStats(19_000, {"error": 57})
-    verdict, _ = judge_sequential(window(canary, stable), None, plan, canary_bp=500)
+    verdict, _ = judge_sequential(window(canary, stable), None, plan, canary_bp=500, step_index=0)
     assert verdict.outcome is Outcome.FAIL
     (reason,) = verdict.reasons
     assert reason.startswith("errors: canary 6.00% (60 in 1000) vs stable 0.30% (57 in 19000)")
@@ -280,27 +428,41 @@ def test_slower_than_counts_certain_and_possible_requests_by_bucket_edges():
 def test_a_cohort_without_a_histogram_adds_no_latency_evidence():
     plan = RolloutPlan(checks=LATENCY_ONLY)
     canary, stable = CohortStats(1000), CohortStats(1000)
-    verdict, evidence = judge_sequential(window(canary, stable), None, plan, canary_bp=5000)
+    verdict, evidence = judge_sequential(
+        window(canary, stable), None, plan, canary_bp=5000, step_index=0
+    )
     assert verdict.outcome is Outcome.INCONCLUSIVE
     assert evidence.checks[P99_VS_STABLE].e_against == 1.0
 
 
 def test_a_slow_tail_inside_one_bucket_is_counted_on_each_side_conservatively():
-    # Stable's p99 sits on 50 ms; the limit is 75 ms. A canary whose tail lies in (60, 75]
-    # is never counted against it, and may only count as possibly slower in (75, 100].
-    stable = {50.0: 990.0, 60.0: 1000.0, 75.0: 1000.0, 100.0: 1000.0, INF: 1000.0}
-    canary = {50.0: 900.0, 60.0: 900.0, 75.0: 1000.0, 100.0: 1000.0, INF: 1000.0}
+    # Stable's p99 sits on 50 ms; moved up for the evidence against the canary it is about
+    # 56 ms, a limit of about 84 ms, inside the bucket (75, 100]. Requests in that bucket are
+    # possibly slower, never certainly: only those beyond 100 ms count against the canary.
+    stable = {50.0: 990.0, 60.0: 1000.0, 75.0: 1000.0, 100.0: 1000.0, 125.0: 1000.0, INF: 1000.0}
     plan = RolloutPlan(checks=LATENCY_ONLY)
-    verdict, evidence = judge_sequential(
-        window(
-            CohortStats(1000, latency_buckets=canary), CohortStats(1000, latency_buckets=stable)
-        ),
-        None,
-        plan,
-        canary_bp=5000,
-    )
+
+    def judged(canary: dict[float, float]):
+        return judge_sequential(
+            window(
+                CohortStats(1000, latency_buckets=canary),
+                CohortStats(1000, latency_buckets=stable),
+            ),
+            None,
+            plan,
+            canary_bp=5000,
+            step_index=0,
+        )
+
+    straddling = {50.0: 900.0, 60.0: 900.0, 75.0: 950.0, 100.0: 1000.0, 125.0: 1000.0, INF: 1000.0}
+    verdict, evidence = judged(straddling)
     assert evidence.checks[P99_VS_STABLE].counts["slower"] == 0
     assert verdict.outcome is not Outcome.FAIL
+    # For the canary the same tail is possibly slower: 100 of 1000 (10% > 1%), no support.
+    assert evidence.checks[P99_VS_STABLE].e_for < 1
+    beyond = {**straddling, 100.0: 950.0}  # 50 of them in (100, 125] instead
+    _, evidence = judged(beyond)
+    assert evidence.checks[P99_VS_STABLE].counts["slower"] == 50
 
 
 # --------------------------------------------------------------------------- sample ratio
@@ -313,7 +475,11 @@ def test_a_share_far_from_its_weight_holds_and_says_so():
     evidence = None
     for _ in range(3):  # the canary gets 1% of requests at a 20% weight
         verdict, evidence = judge_sequential(
-            window(cohort(rng, 100, 0.0), cohort(rng, 9900, 0.0)), evidence, plan, canary_bp=2000
+            window(cohort(rng, 100, 0.0), cohort(rng, 9900, 0.0)),
+            evidence,
+            plan,
+            canary_bp=2000,
+            step_index=0,
         )
     assert verdict is not None and verdict.outcome is Outcome.INCONCLUSIVE
     assert verdict.checks[0].name == SAMPLE_RATIO
@@ -328,7 +494,11 @@ def test_a_share_within_tolerance_of_its_weight_is_not_a_mismatch():
     evidence = None
     for _ in range(30):  # 15% of requests at a 20% weight: a few users more or less
         verdict, evidence = judge_sequential(
-            window(cohort(rng, 1500, 0.0), cohort(rng, 8500, 0.0)), evidence, plan, canary_bp=2000
+            window(cohort(rng, 1500, 0.0), cohort(rng, 8500, 0.0)),
+            evidence,
+            plan,
+            canary_bp=2000,
+            step_index=0,
         )
         assert all(c.name != SAMPLE_RATIO for c in verdict.checks)
 
@@ -436,7 +606,7 @@ def test_one_failing_window_rolls_back_at_once_weights_first():
     assert "evidence against the canary at step 1/3 (5%)" in (run.state.reason or "")
     record = run.state.verdicts[-1]
     assert record.outcome is Outcome.FAIL
-    failing = [e for e in record.evidence if e.against >= e.fail_at]
+    failing = [e for e in record.evidence if e.fail_at is not None and e.against >= e.fail_at]
     assert failing and failing[0].check == "success_rate"
 
 
@@ -493,14 +663,21 @@ def test_a_histogram_ahead_of_the_request_counter_is_judged_not_refused():
         None,
         plan,
         canary_bp=5000,
+        step_index=0,
     )
     assert verdict.outcome is Outcome.FAIL, verdict.summary()
-    assert evidence.checks["p99_ceiling"].counts == {"slower": 40, "requests": 40}
+    assert evidence.checks["p99_ceiling"].counts == {
+        "slower": 40,
+        "possibly_slower": 40,
+        "requests": 40,
+    }
 
 
 def test_a_sample_ratio_mismatch_holds_alerts_once_and_the_deadline_ends_it():
+    # 1% of the traffic at weight 5%: 200 canary requests a window, over min_requests, none
+    # failed, as fast as stable. Only the guard stands between these windows and a pass.
     def skewed(rng, canary_bp):
-        return cohort(rng, 4, 0.0), cohort(rng, 3996, 0.0)  # 0.1% of traffic at 5%
+        return cohort(rng, 200, 0.0), cohort(rng, 19_800, 0.0)
 
     run = Run(skewed)
     for _ in range(12):
@@ -511,4 +688,12 @@ def test_a_sample_ratio_mismatch_holds_alerts_once_and_the_deadline_ends_it():
     assert len(alerts) == 1 and alerts[0].severity == "warning"
     assert run.state.phase is Phase.ROLLED_BACK
     assert "no progress at step 1/3 (5%)" in (run.state.reason or "")
+    last = run.state.verdicts[-1]
+    guard = next(e for e in last.evidence if e.check == SAMPLE_RATIO)
+    assert guard.fail_at is None and guard.pass_at is None and guard.hold_at == 1 / PLAN.alpha
+    assert guard.against >= guard.hold_at
+    # Every check of the canary itself had passed: the guard is what held the step.
+    others = [e for e in last.evidence if e.check != SAMPLE_RATIO]
+    assert others and all(e.supporting >= e.pass_at for e in others), others
+    assert any("sample ratio mismatch" in r for r in last.reasons)
     assert Weights.stable_only() == run.state.weights
