@@ -3,6 +3,11 @@
 One gauge per check and side, set after every tick from the active rollout's evidence (the
 threshold judge has none), so the dashboard can plot how the evidence against and for the
 canary grew over the rollout beside the bounds that decide it. Runs inside the actor only.
+
+Ray's gauges cannot be removed and repeat their last value for as long as the process runs:
+once a rollout has ended (or a series is no longer one it judges) its evidence is set back to
+1, "no evidence", rather than left at the value it ended on, which would read as a live
+verdict.
 """
 
 from __future__ import annotations
@@ -13,55 +18,66 @@ from app import telemetry as t
 from rollout.sequential import SAMPLE_RATIO, enabled_checks
 from rollout.state import RolloutState, capped
 
+TAG_KEYS = (t.MODEL, t.CHECK, t.SIDE)
+
 
 class ControllerMetrics:
     def __init__(self) -> None:
-        tags = (t.MODEL, t.CHECK, t.SIDE)
         self.evidence = metrics.Gauge(
             t.ROLLOUT_EVIDENCE,
             description="Sequential judge: e-value against / for the canary, per check",
-            tag_keys=tags,
+            tag_keys=TAG_KEYS,
         )
         self.bound = metrics.Gauge(
             t.ROLLOUT_EVIDENCE_BOUND,
             description="Sequential judge: the e-value at which a check fails / passes",
-            tag_keys=tags,
+            tag_keys=TAG_KEYS,
         )
+        # (model, check, side) of every series set for the rollout being judged.
+        self._live: set[tuple[str, str, str]] = set()
 
     def publish(self, state: RolloutState | None) -> None:
-        if state is None:
-            return
-        self._publish_shadow(state)
-        if state.evidence is None:
-            return
-        plan = state.plan
-        fail_at = enabled_checks(plan.checks) / plan.alpha
-        for name, check in state.evidence.checks.items():
-            for side, value, bound in (
-                ("against", check.e_against, fail_at),
-                ("for", check.e_for, 1 / plan.beta),
-            ):
-                tags = {t.MODEL: state.model, t.CHECK: name, t.SIDE: side}
-                self.evidence.set(capped(value), tags=tags)
-                self.bound.set(bound, tags=tags)
-        tags = {t.MODEL: state.model, t.CHECK: SAMPLE_RATIO, t.SIDE: "against"}
-        self.evidence.set(capped(state.evidence.e_mismatch), tags=tags)
-        self.bound.set(1 / plan.alpha, tags=tags)
+        values: dict[tuple[str, str, str], tuple[float, float]] = {}
+        if state is not None and not state.phase.is_terminal:
+            values = evidence_values(state)
+        for key, (value, bound) in values.items():
+            tags = dict(zip(TAG_KEYS, key, strict=True))
+            self.evidence.set(capped(value), tags=tags)
+            self.bound.set(bound, tags=tags)
+        for key in self._live - values.keys():
+            self.evidence.set(1.0, tags=dict(zip(TAG_KEYS, key, strict=True)))
+        self._live = set(values)
 
-    def _publish_shadow(self, state: RolloutState) -> None:
-        """The shadow gate's evidence, per measure: the strongest evidence against it and the
-        weakest for it over its bounds (what decides FAIL and PASS)."""
-        evidence = state.shadow_evidence
-        if evidence is None or not evidence.bounds:
-            return
-        plan = state.plan
-        fail_at = len(evidence.bounds) / plan.alpha
-        for measure in {b.measure for b in evidence.bounds}:
-            bounds = [b for b in evidence.bounds if b.measure == measure]
-            for side, value, bound in (
-                ("against", max(b.against.e_value for b in bounds), fail_at),
-                ("for", min(b.supporting.e_value for b in bounds), 1 / plan.beta),
-            ):
-                tags = {t.MODEL: state.model, t.CHECK: measure, t.SIDE: side}
-                self.evidence.set(capped(value), tags=tags)
-                self.bound.set(bound, tags=tags)
+
+def evidence_values(state: RolloutState) -> dict[tuple[str, str, str], tuple[float, float]]:
+    """``(model, check, side) -> (e-value, the bound it is held to)`` for one rollout."""
+    out = _shadow_values(state)
+    if state.evidence is None:
+        return out
+    plan = state.plan
+    fail_at = enabled_checks(plan.checks) / plan.alpha
+    for name, check in state.evidence.checks.items():
+        out[(state.model, name, "against")] = (check.e_against, fail_at)
+        out[(state.model, name, "for")] = (check.e_for, 1 / plan.beta)
+    out[(state.model, SAMPLE_RATIO, "against")] = (state.evidence.e_mismatch, 1 / plan.alpha)
+    return out
+
+
+def _shadow_values(state: RolloutState) -> dict[tuple[str, str, str], tuple[float, float]]:
+    """The shadow gate's evidence, per measure: the strongest evidence against it and the
+    weakest for it over its bounds (what decides FAIL and PASS)."""
+    evidence = state.shadow_evidence
+    if evidence is None or not evidence.bounds:
+        return {}
+    plan = state.plan
+    fail_at = len(evidence.bounds) / plan.alpha
+    out = {}
+    for measure in {b.measure for b in evidence.bounds}:
+        bounds = [b for b in evidence.bounds if b.measure == measure]
+        against = max(b.against.e_value for b in bounds)
+        out[(state.model, measure, "against")] = (against, fail_at)
+        out[(state.model, measure, "for")] = (
+            min(b.supporting.e_value for b in bounds),
+            1 / plan.beta,
+        )
+    return out

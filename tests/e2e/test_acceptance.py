@@ -263,19 +263,42 @@ def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
         )
     s.note(f"A/A promoted after {len(record.verdicts)} windows")
 
-    # What the dashboard's evidence panel plots, from the running controller.
-    def evidence_series() -> set[tuple[str, str]]:
+    # What the dashboard's evidence panel plots, from the running controller: the evidence
+    # and its bounds per check and side, set back to 1 (no evidence) now the rollout is over.
+    def exported(name: str) -> dict[tuple[str, str, str], float]:
         text = httpx.get(s.env.cluster.metrics_url, timeout=10).text
-        found = {
-            (sample.labels.get("check", ""), sample.labels.get("side", ""))
+        return {
+            (sample.labels.get("model", ""), sample.labels.get("check", ""),
+             sample.labels.get("side", "")): sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name == "ray_ranker_rollout_evidence"
-        }
-        return found if ("success_rate", "for") in found else set()
+            if sample.name == name
+        }  # fmt: skip
 
-    series = s.wait("evidence gauges exported", evidence_series, 60)
-    s.check(("sample_ratio", "against") in series, f"no sample-ratio series: {series}")
+    def evidence_after_the_end() -> dict[tuple[str, str, str], float] | None:
+        # Per exporting process (the labels Ray adds): a controller killed by an earlier
+        # test of the session may linger in the node's export with the values it died on.
+        text = httpx.get(s.env.cluster.metrics_url, timeout=10).text
+        by_process: dict[frozenset, dict[tuple[str, str, str], float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name != "ray_ranker_rollout_evidence":
+                    continue
+                labels = dict(sample.labels)
+                key = tuple(labels.pop(k, "") for k in ("model", "check", "side"))
+                by_process.setdefault(frozenset(labels.items()), {})[key] = sample.value
+        for found in by_process.values():
+            if ("ranker", "success_rate", "for") in found and set(found.values()) == {1.0}:
+                return found
+        return None
+
+    series = s.wait("evidence gauges exported, at 1 after the end", evidence_after_the_end, 90)
+    s.check(("ranker", "sample_ratio", "against") in series, f"no sample-ratio series: {series}")
+    bounds = exported("ray_ranker_rollout_evidence_bound")
+    s.check(set(bounds) >= set(series), f"bounds missing: {set(series) - set(bounds)}")
+    fail_at = bounds.get(("ranker", "success_rate", "against"), 0.0)
+    pass_at = bounds.get(("ranker", "success_rate", "for"), 0.0)
+    s.check(fail_at > pass_at > 1, f"the bounds exported: {bounds}")
     s.when.stop_traffic()
     s.then.expect_failed_requests(at_most=0)
 
