@@ -206,9 +206,7 @@ def summary(results: list[Result], regression: bool) -> dict[str, Any]:
         "missed_rate": round(len(promoted) / len(results), 4) if regression else 0.0,
         "median_windows_to_promote": pct(promoted, 50),
         # How the rollbacks came about: the judge's evidence vs a step's progress deadline.
-        "judge_rollback_rate": round(
-            sum(r.ended == BY_JUDGE for r in results) / len(results), 4
-        ),
+        "judge_rollback_rate": round(sum(r.ended == BY_JUDGE for r in results) / len(results), 4),
         "deadline_rollback_rate": round(
             sum(r.ended == AT_DEADLINE for r in results) / len(results), 4
         ),
