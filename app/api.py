@@ -1,37 +1,31 @@
 """HTTP models of the ranking API (pydantic, at the boundary with the service's clients).
 
-The router validates a request exactly once, here; what travels on to the replicas is the
-compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n), which the replicas do
-not validate again.
+The router validates a request exactly once, with the request schema of the family the app
+serves (``app.model_family.RequestSchema``, built on ``parse_body`` here); what travels on to
+the replicas is the compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n),
+which the replicas do not validate again.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterable
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 import numpy as np
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
-    PrivateAttr,
     ValidationError,
     field_serializer,
-    field_validator,
-    model_validator,
 )
 
-from app.contracts import ErrorInfo, ReplicaPhase, StandbyView, WireRequest
-from app.features import (
-    CONTEXT_FIELDS,
-    MAX_CANDIDATE_ID_CHARS,
-    MAX_CANDIDATES,
-    NUM_FEATURES,
-    encode_context,
-)
+from app.contracts import ErrorInfo, ReplicaPhase, StandbyView
 
 DEFAULT_TOP_N: Final = 10
+# Limits of one request, whatever its family: the batch forward pads nothing, but a single
+# request with an unbounded candidate list would still monopolise a replica.
+MAX_CANDIDATES: Final = 2048
+MAX_CANDIDATE_ID_CHARS: Final = 256
 MAX_BODY_BYTES: Final = 8 << 20
 # The model computes in float32: a float64 from this magnitude on rounds to an infinity there
 # (float32's largest finite value plus half a step: below it, values round to that value).
@@ -43,59 +37,7 @@ FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 # 160k values a request); parse_rank_body words their error.
 Feature = Annotated[float, Field(allow_inf_nan=False, gt=-FLOAT32_OVERFLOW, lt=FLOAT32_OVERFLOW)]
 ContextValue = str | int | float
-
-
-class CandidateIn(BaseModel):
-    # strict: no coercion of strings or booleans into numbers (or numbers into strings).
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    id: Annotated[str, Field(min_length=1, max_length=MAX_CANDIDATE_ID_CHARS)]
-    features: Annotated[
-        list[Feature | None], Field(min_length=NUM_FEATURES, max_length=NUM_FEATURES)
-    ]
-
-
-class RankBody(BaseModel):
-    """``POST /v1/rank``. ``null`` marks a missing feature; NaN and infinities are refused."""
-
-    # strict: ``true`` is no top_n, ``"5"`` no number, ``17`` no user id.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    user_id: Annotated[str, Field(max_length=256)] | None = None
-    session_id: Annotated[str, Field(max_length=256)] | None = None
-    context: dict[str, ContextValue] = Field(default_factory=dict)
-    candidates: Annotated[list[CandidateIn], Field(min_length=1, max_length=MAX_CANDIDATES)]
-    top_n: Annotated[int, Field(ge=1, le=MAX_CANDIDATES)] = DEFAULT_TOP_N
-    # The candidates' features as the float32 matrix the model takes (NaN: missing), built
-    # once while validating (to_wire hands it on).
-    _features: np.ndarray = PrivateAttr()
-
-    @field_validator("context", mode="before")
-    @classmethod
-    def _known_context(cls, value: Any) -> Any:
-        # Before pydantic's own checks, on the values as sent: the context's own rules name
-        # the field ("context.hour_of_day: expected an integer, got bool"); a union's
-        # errors would name a union member instead.
-        if not isinstance(value, dict):
-            return value  # pydantic refuses it: "Input should be a valid dictionary"
-        for name in value:
-            if name not in CONTEXT_FIELDS:
-                known = ", ".join(CONTEXT_FIELDS)
-                raise ValueError(f"context.{name}: unknown context field (known: {known})")
-        encode_context(value)  # ValueError "context.<name>: ..." for a bad value
-        return value
-
-    @model_validator(mode="after")
-    def _unique_ids(self) -> RankBody:
-        seen: set[str] = set()
-        for i, cand in enumerate(self.candidates):
-            if cand.id in seen:
-                raise ValueError(f"candidates[{i}].id: duplicate id {cand.id!r}")
-            seen.add(cand.id)
-        # None -> NaN (missing); the model's preprocessing fills it. Every value was checked
-        # to stay finite in float32 (Feature).
-        self._features = np.asarray([c.features for c in self.candidates], dtype=np.float32)
-        return self
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class RequestInvalid(ValueError):
@@ -170,8 +112,9 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return name or "body"
 
 
-def parse_rank_body(raw: bytes) -> RankBody:
-    """Parse and validate a request body; RequestInvalid names the first bad field."""
+def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """Parse and validate a request body into a family's body ``model``; RequestInvalid
+    names the first bad field (the family's validators word theirs "field.path: why")."""
     if len(raw) > MAX_BODY_BYTES:
         raise BodyTooLarge(
             f"{len(raw)} bytes is over the limit of {MAX_BODY_BYTES} bytes", MAX_BODY_BYTES
@@ -179,7 +122,7 @@ def parse_rank_body(raw: bytes) -> RankBody:
     if not raw:
         raise RequestInvalid("body", "empty body; expected a JSON object")
     try:
-        return RankBody.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         msg = str(first.get("msg", "invalid"))
@@ -189,18 +132,15 @@ def parse_rank_body(raw: bytes) -> RankBody:
         field = _field_name(loc)
         if first.get("type") == "json_invalid":
             field = "body"
-        if first.get("type") in ("less_than", "greater_than") and "features" in loc:
+        if first.get("type") in ("less_than", "greater_than") and any(
+            isinstance(part, str) and part.endswith("features") for part in loc
+        ):
             msg = f"outside float32's finite range (|x| <= {FLOAT32_MAX:g})"
         # Our validators' messages start with the precise field ("context.surface: ...").
         head, sep, rest = msg.partition(": ")
         if sep and " " not in head and (field == "body" or head.startswith(field)):
             field, msg = head, rest
         raise RequestInvalid(field, msg) from None
-
-
-def to_wire(body: RankBody) -> WireRequest:
-    ids = tuple(c.id for c in body.candidates)
-    return WireRequest(ids, body._features, body.context, body.top_n)
 
 
 class ReplicaView(BaseModel):

@@ -32,11 +32,14 @@ from pydantic import (
 )
 
 from app.errors import ConfigError
-from app.features import FEATURE_SCHEMA
+from app.model_family import DEFAULT_FAMILIES
 
 # --------------------------------------------------------------------------- vocabulary
 
 Cohort = Literal["stable", "canary"]
+# The request schema of the default model family (``app.models.ranker_mlp``); a test checks
+# the two agree.
+DEFAULT_FEATURE_SCHEMA: Final = "ranker-features-v3"
 STABLE: Final = "stable"
 CANARY: Final = "canary"
 COHORTS: Final[tuple[Cohort, Cohort]] = (STABLE, CANARY)
@@ -86,6 +89,14 @@ def _lower(value: str) -> str:
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 PathText = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+# A Python module's dotted import path (a model family: ``app.models.ranker_mlp``).
+ImportPath = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+    ),
+]
+ModelFamilies = Annotated[list[ImportPath], Field(min_length=1, max_length=32)]
 Uri = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(_lower)]
 Revision = Annotated[int, Field(ge=1, le=MAX_REVISION)]
@@ -199,7 +210,7 @@ class Target(Contract):
     artifact_id: Name
     manifest_uri: Uri
     manifest_sha256: Sha256
-    feature_schema: Name = FEATURE_SCHEMA
+    feature_schema: Name = DEFAULT_FEATURE_SCHEMA
 
     def same_artifact(self, other: Target) -> bool:
         return (
@@ -397,6 +408,10 @@ class ReplicaConfig(Contract):
     cache_byte_budget: Annotated[int, Field(gt=0, le=MAX_BYTES)] | None = None
     report_interval_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     faults: FaultInjection | None = None  # tests only; see FaultInjection
+    # The model families this replica can build (``AppArgs.models``) and the request schema
+    # it serves: a target of another schema is refused before anything is fetched.
+    models: ModelFamilies = list(DEFAULT_FAMILIES)
+    feature_schema: Name = DEFAULT_FEATURE_SCHEMA
 
     @classmethod
     def from_user_config(cls, raw: Mapping[str, Any] | ReplicaConfig) -> ReplicaConfig:
@@ -593,6 +608,12 @@ class CohortArgs(Contract):
 class AppArgs(Contract):
     """The Serve application's ``args`` (``deployments.app:build_app``)."""
 
+    # The model families the replicas can build, by import path (each module's ``FAMILY``,
+    # an ``app.model_family.ModelFamily``); a manifest's ``architecture.name`` selects one.
+    models: ModelFamilies = list(DEFAULT_FAMILIES)
+    # The request schema the HTTP route speaks (one of the families'); None: the first
+    # family's. Every cohort serves it: a target made for another schema is refused.
+    feature_schema: Name | None = None
     stable: CohortArgs = CohortArgs()
     canary: CohortArgs = CohortArgs(num_replicas=1)
     # The hot standby (RouterConfig.standby says when it answers): typically a smaller model
@@ -802,13 +823,16 @@ class WireRequest(NamedTuple):
     """One validated rank request as the router hands it to a replica.
 
     A NamedTuple, not a model: it is pickled once per request on the hot path, validated once
-    at the HTTP edge (``app.api``) and not again, and carries the features as one float32
-    matrix that the model consumes as it is."""
+    at the HTTP edge (the family's ``app.model_family.RequestSchema``) and not again, and
+    carries the features as float32 arrays that the model consumes as they are. Their widths
+    are the family's: ``features`` per candidate, ``query`` per request (a two-tower family's
+    user features; None for a family without request-level numbers)."""
 
     candidate_ids: tuple[str, ...]
     features: np.ndarray  # float32 [candidates, features]; NaN = missing
     context: Mapping[str, str | int | float]
     top_n: int
+    query: np.ndarray | None = None  # float32 [query features]; NaN = missing
 
 
 class ModelMeta(NamedTuple):

@@ -1,15 +1,16 @@
-"""Deterministic ranker artifacts for the demo, the tests and the GPU checks.
+"""Deterministic artifacts for the demo, the tests and the GPU checks.
 
-``write_ranker_source`` writes a pack-able source directory (weights, normalization, label
-mapping, architecture, metadata with an offline evaluation block) from a seed: the same seed
-and parameters give the same bytes, so packing twice gives the same manifest digest.
+``write_ranker_source`` (``ranker-mlp``) and ``write_two_tower_source`` (``two-tower``) write
+a pack-able source directory (weights, normalization, label mapping, architecture, metadata
+with an offline evaluation block) from a seed: the same seed and parameters give the same
+bytes, so packing twice gives the same manifest digest.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -21,20 +22,20 @@ from app.artifact_store import manifest_uri_for
 from app.cache import ArtifactCache
 from app.contracts import EXPECTED_DIVERGENCE_KEY
 from app.errors import ConfigError
-from app.features import (
-    FEATURE_NAMES,
-    FEATURE_SCHEMA,
-    LABEL_MAPPING_FILE,
-    NORMALIZATION_FILE,
-    NUM_FEATURES,
-)
 from app.loader import PRECISIONS, WEIGHTS_FILES, load_verified
 from app.manifest import MANIFEST_NAME, Architecture
+from app.model_family import SHIPPED_FAMILIES, families_for
+from app.models.ranker_mlp.features import FEATURE_NAMES, FEATURE_SCHEMA, NUM_FEATURES
+from app.models.ranker_mlp.network import RANKER_MLP, build_ranker
+from app.models.two_tower import TWO_TOWER
+from app.models.two_tower.features import FEATURE_SCHEMA as TWO_TOWER_SCHEMA
+from app.models.two_tower.features import ITEM_FEATURE_NAMES, USER_FEATURE_NAMES
 from app.packing import ARCHITECTURE_FILE, METADATA_FILE, PackResult, pack_artifact
-from app.ranker import RANKER_MLP, build_ranker
+from app.preprocessing import LABEL_MAPPING_FILE, NORMALIZATION_FILE
 from app.request_bodies import DEFAULT_SEED
 
 DEMO_MODEL: Final = "ranker"
+TWO_TOWER_FEATURE_NAMES: Final = USER_FEATURE_NAMES + ITEM_FEATURE_NAMES
 # Small enough to load and dry-run in a few milliseconds on a CPU.
 DEMO_PARAMS: Final[Mapping[str, int]] = {"hidden_dim": 128, "num_layers": 3, "context_dim": 8}
 SCORE_BANDS: Final = (("poor", 0.0), ("fair", 0.25), ("good", 0.5), ("excellent", 0.8))
@@ -50,21 +51,40 @@ DEMO_VERSIONS: Final = (
     (DEMO_FALLBACK, 7, FALLBACK_PARAMS, {"ndcg_at_10": 0.401, "auc": 0.772}),
 )
 
+# The second shipped family's demo: another model (its own registry entries and deployments'
+# ``loading.model``) speaking another request schema.
+TWO_TOWER_MODEL: Final = "recs-two-tower"
+TWO_TOWER_PARAMS: Final[Mapping[str, int]] = {
+    "hidden_dim": 64,
+    "tower_layers": 2,
+    "embed_dim": 32,
+    "context_dim": 8,
+}
+TWO_TOWER_VERSIONS: Final = (
+    ("two-tower-v1", 101, TWO_TOWER_PARAMS, {"ndcg_at_10": 0.388, "auc": 0.764}),
+    ("two-tower-v2", 102, TWO_TOWER_PARAMS, {"ndcg_at_10": 0.395, "auc": 0.769}),
+)
+
 
 def _dump(path: Path, doc: Any) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def ranker_weights(
+def family_weights(
     arch: Architecture, *, seed: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """He-initialised weights for ``arch`` from numpy's PCG64 (stable across torch versions)."""
+    """He-initialised weights for ``arch`` (any shipped family: the module the family builds
+    on the meta device gives the names and shapes) from numpy's PCG64 (stable across torch
+    versions): embeddings N(0, 0.5), matrices N(0, 2 / fan_in), biases N(0, 0.01)."""
+    family, spec = families_for(SHIPPED_FAMILIES).resolve(arch)
+    with torch.device("meta"):
+        module = family.network.build(spec.validate(arch))
+    shapes = module.state_dict()
     rng = np.random.default_rng(seed)
-    shapes = build_ranker(arch, device="meta").state_dict()
     state: dict[str, torch.Tensor] = {}
     for key in sorted(shapes):
         shape = tuple(shapes[key].shape)
-        if key.startswith("context_embeddings."):
+        if "embeddings." in key:
             std = 0.5
         elif key.endswith(".weight"):
             std = float(np.sqrt(2.0 / shape[1]))
@@ -75,22 +95,33 @@ def ranker_weights(
     return state
 
 
-def normalization_doc(seed: int) -> dict[str, Any]:
+def ranker_weights(
+    arch: Architecture, *, seed: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """``family_weights`` of a ``ranker-mlp`` architecture (its values are those of every
+    artifact packed so far: the same seed gives the same bytes)."""
+    build_ranker(arch, device="meta")  # refuses another family's architecture
+    return family_weights(arch, seed=seed, dtype=dtype)
+
+
+def normalization_doc(
+    seed: int, feature_names: Sequence[str] = FEATURE_NAMES, schema: str = FEATURE_SCHEMA
+) -> dict[str, Any]:
     rng = np.random.default_rng([seed, 1])
     features = {}
-    for name in FEATURE_NAMES:
+    for name in feature_names:
         mean = round(float(rng.uniform(-2.0, 50.0)), 4)
         features[name] = {
             "mean": mean,
             "std": round(float(rng.uniform(0.5, 20.0)), 4),
             "fill": mean,  # impute the training mean for a missing feature
         }
-    return {"feature_schema": FEATURE_SCHEMA, "clip": 8.0, "features": features}
+    return {"feature_schema": schema, "clip": 8.0, "features": features}
 
 
-def label_mapping_doc() -> dict[str, Any]:
+def label_mapping_doc(schema: str = FEATURE_SCHEMA) -> dict[str, Any]:
     return {
-        "feature_schema": FEATURE_SCHEMA,
+        "feature_schema": schema,
         "score_bands": [{"label": label, "min_score": lo} for label, lo in SCORE_BANDS],
     }
 
@@ -106,34 +137,88 @@ def write_ranker_source(
     weights: Mapping[str, torch.Tensor] | None = None,
     normalization: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write a source directory for ``pack_artifact``. ``weights`` overrides the generated
-    tensors (tests build broken artifacts that way); they are written as given.
-    ``normalization`` overrides the seed's ``normalization_doc``."""
+    """Write a ``ranker-mlp`` source directory for ``pack_artifact``. ``weights`` overrides
+    the generated tensors (tests build broken artifacts that way); they are written as
+    given. ``normalization`` overrides the seed's ``normalization_doc``."""
+    write_family_source(
+        src_dir,
+        Architecture(name=RANKER_MLP, version=1, params=dict(params or DEMO_PARAMS)),
+        seed=seed,
+        feature_names=FEATURE_NAMES,
+        schema=FEATURE_SCHEMA,
+        precision=precision,
+        runtime=runtime,
+        evaluation=evaluation,
+        weights=weights,
+        normalization=normalization,
+    )
+
+
+def write_two_tower_source(
+    src_dir: Path,
+    *,
+    seed: int,
+    params: Mapping[str, int] | None = None,
+    evaluation: Mapping[str, Any] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write a ``two-tower`` source directory (``two-tower-features-v1``)."""
+    write_family_source(
+        src_dir,
+        Architecture(name=TWO_TOWER, version=1, params=dict(params or TWO_TOWER_PARAMS)),
+        seed=seed,
+        feature_names=TWO_TOWER_FEATURE_NAMES,
+        schema=TWO_TOWER_SCHEMA,
+        evaluation=evaluation,
+        weights=weights,
+        dataset="recs-offline-holdout",
+    )
+
+
+def write_family_source(
+    src_dir: Path,
+    arch: Architecture,
+    *,
+    seed: int,
+    feature_names: Sequence[str],
+    schema: str,
+    precision: str = "fp32",
+    runtime: str = "safetensors",
+    evaluation: Mapping[str, Any] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    normalization: Mapping[str, Any] | None = None,
+    dataset: str = "ranker-offline-holdout",
+) -> None:
+    """A source directory of any shipped family whose preprocessing is one
+    ``normalization.json`` over ``feature_names``: weights, normalization, score bands,
+    architecture and metadata (with an offline evaluation block)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision: {precision!r} is not one of {sorted(PRECISIONS)}")
     if runtime not in WEIGHTS_FILES:
         raise ConfigError(f"runtime: {runtime!r} is not one of {sorted(WEIGHTS_FILES)}")
     src_dir = Path(src_dir)
     src_dir.mkdir(parents=True, exist_ok=True)
-    arch = Architecture(name=RANKER_MLP, version=1, params=dict(params or DEMO_PARAMS))
     state = (
         dict(weights)
         if weights is not None
-        else ranker_weights(arch, seed=seed, dtype=PRECISIONS[precision])
+        else family_weights(arch, seed=seed, dtype=PRECISIONS[precision])
     )
     weights_path = src_dir / WEIGHTS_FILES[runtime]
     if runtime == "safetensors":
         weights_path.write_bytes(safetensors.torch.save(state))
     else:
         torch.save(state, weights_path)
-    _dump(src_dir / NORMALIZATION_FILE, normalization or normalization_doc(seed))
-    _dump(src_dir / LABEL_MAPPING_FILE, label_mapping_doc())
+    _dump(
+        src_dir / NORMALIZATION_FILE,
+        normalization or normalization_doc(seed, feature_names, schema),
+    )
+    _dump(src_dir / LABEL_MAPPING_FILE, label_mapping_doc(schema))
     _dump(src_dir / ARCHITECTURE_FILE, arch.model_dump(mode="json"))
     _dump(
         src_dir / METADATA_FILE,
         {
             "offline_evaluation": {
-                "dataset": "ranker-offline-holdout",
+                "dataset": dataset,
                 "examples": 200_000,
                 **(evaluation or {}),
             },
@@ -148,6 +233,9 @@ def _pack_once(
     artifact_id: str,
     write_source: Callable[[Path], None],
     metadata: dict[str, Any] | None = None,
+    *,
+    model: str = DEMO_MODEL,
+    feature_schema: str = FEATURE_SCHEMA,
 ) -> PackResult:
     """Pack the source ``write_source`` writes into ``out_dir/artifact_id``. Idempotent: an
     artifact already there with the same manifest is kept; a different one is an error
@@ -159,9 +247,9 @@ def _pack_once(
         packed = pack_artifact(
             src,
             staged,
-            model=DEMO_MODEL,
+            model=model,
             artifact_id=artifact_id,
-            feature_schema=FEATURE_SCHEMA,
+            feature_schema=feature_schema,
             metadata=metadata,
         )
         if (final / MANIFEST_NAME).exists():
@@ -176,6 +264,7 @@ def _pack_once(
         out_dir=final.resolve(),
         manifest_uri=manifest_uri_for(final),
         manifest_sha256=packed.manifest_sha256,
+        feature_schema=feature_schema,
     )
 
 
@@ -193,6 +282,41 @@ def make_demo_artifacts(out_dir: Path) -> list[PackResult]:
 
         results.append(_pack_once(out_dir, artifact_id, write))
     return results
+
+
+def make_two_tower_artifacts(out_dir: Path) -> list[PackResult]:
+    """Pack the ``two-tower`` family's two demo versions under ``out_dir`` (model
+    ``TWO_TOWER_MODEL``, schema ``two-tower-features-v1``); idempotent like
+    ``make_demo_artifacts``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for artifact_id, seed, params, evaluation in TWO_TOWER_VERSIONS:
+
+        def write(src: Path, seed: int = seed, params: Any = params, ev: Any = evaluation) -> None:
+            write_two_tower_source(src, seed=seed, params=params, evaluation=ev)
+
+        results.append(
+            _pack_once(
+                out_dir, artifact_id, write, model=TWO_TOWER_MODEL, feature_schema=TWO_TOWER_SCHEMA
+            )
+        )
+    return results
+
+
+DEMO_ARTIFACT_IDS: Final[tuple[str, ...]] = tuple(
+    v[0] for v in (*DEMO_VERSIONS, *TWO_TOWER_VERSIONS)
+)
+
+
+def pack_demo_artifact(out_dir: Path, artifact_id: str) -> PackResult | None:
+    """The demo artifact named ``artifact_id``, packed under ``out_dir`` with the rest of its
+    set (``make_demo_artifacts`` or ``make_two_tower_artifacts``); None: no such artifact."""
+    if artifact_id not in DEMO_ARTIFACT_IDS:
+        return None
+    two_tower = any(v[0] == artifact_id for v in TWO_TOWER_VERSIONS)
+    packed = (make_two_tower_artifacts if two_tower else make_demo_artifacts)(out_dir)
+    return next(p for p in packed if p.artifact_id == artifact_id)
 
 
 # --------------------------------------------------------------------------- shadow phase

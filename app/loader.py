@@ -6,11 +6,16 @@
     placement -> eval -> dry run on service-owned requests -> output validation -> CUDA
     synchronize
 
+The model is service code: the family registered for the manifest's architecture
+(``app.model_family``) builds it, preprocesses requests, runs its forward and supplies its dry
+run; nothing here knows one family from another.
+
 Rejections (ArtifactRejected): ``runtime`` (runtime, precision, architecture or torch version
-not supported), ``schema`` (feature schema, normalization/label files), ``load`` (bytes that do
-not deserialize, missing/unexpected keys, shapes, dtypes), ``dry_run`` (failed or invalid
-output on representative requests), ``budget`` (would not fit next to the resident model), and
-``size``/``digest`` from re-checking the bytes read.
+not supported), ``schema`` (feature schema, the family's preprocessing files, label files),
+``load`` (bytes that do not deserialize, missing/unexpected keys, shapes, dtypes), ``dry_run``
+(failed or invalid output on representative requests, the family's invariants), ``budget``
+(would not fit next to the resident model), and ``size``/``digest`` from re-checking the
+bytes read.
 """
 
 from __future__ import annotations
@@ -29,25 +34,15 @@ import numpy as np
 import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
+from torch import nn
 
 from app.contracts import WireRequest
 from app.errors import ArtifactRejected
-from app.features import (
-    CONTEXT_FIELDS,
-    FEATURE_SCHEMA,
-    LABEL_MAPPING_FILE,
-    NORMALIZATION_FILE,
-    NUM_FEATURES,
-    LabelMapping,
-    Normalization,
-    RankedCandidate,
-    encode_batch,
-    rank_from_logits,
-)
 from app.load_control import LoadCancelled, LoadControl, begin, checkpoint
 from app.manifest import Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
-from app.ranker import RankerMLP, RankerParams, architecture_spec, build_ranker, ranker_params
+from app.model_family import SHIPPED_FAMILIES, Families, ModelFamily, NetworkMemory, families_for
+from app.preprocessing import LABEL_MAPPING_FILE, LabelMapping, RankedCandidate, rank_from_logits
 
 if TYPE_CHECKING:
     from app.cache import VerifiedArtifact
@@ -96,19 +91,15 @@ def _torch_requirement(manifest: Manifest) -> str | None:
     return node
 
 
-def check_compatibility(manifest: Manifest) -> None:
-    """Can this service run the artifact at all? ArtifactRejected ``runtime`` / ``schema``."""
+def check_compatibility(manifest: Manifest, families: Families | None = None) -> ModelFamily:
+    """Can this service run the artifact at all? Its family (of ``families``, default every
+    family the service ships); ArtifactRejected ``runtime`` / ``schema``."""
     aid = manifest.artifact_id
+    families = families or families_for(SHIPPED_FAMILIES)
     if manifest.runtime not in WEIGHTS_FILES:
         raise ArtifactRejected(
             "runtime",
             f"unknown runtime {manifest.runtime!r} (supported: {sorted(WEIGHTS_FILES)})",
-            artifact_id=aid,
-        )
-    if manifest.feature_schema != FEATURE_SCHEMA:
-        raise ArtifactRejected(
-            "schema",
-            f"feature schema {manifest.feature_schema!r}, this service serves {FEATURE_SCHEMA!r}",
             artifact_id=aid,
         )
     if manifest.precision not in PRECISIONS:
@@ -118,8 +109,14 @@ def check_compatibility(manifest: Manifest) -> None:
             artifact_id=aid,
         )
     try:
-        spec = architecture_spec(manifest.architecture)
-        ranker_params(manifest.architecture)
+        family, spec = families.resolve(manifest.architecture)
+        spec.validate(manifest.architecture)
+        if manifest.feature_schema != family.schema.name:
+            raise ArtifactRejected(
+                "schema",
+                f"feature schema {manifest.feature_schema!r}; architecture {spec.name} "
+                f"(family {family.name}) reads {family.schema.name!r}",
+            )
         running = Version(torch.__version__)
         if running.release < Version(spec.min_torch).release:
             raise ArtifactRejected(
@@ -145,13 +142,21 @@ def check_compatibility(manifest: Manifest) -> None:
             "runtime", f"cannot read torch version: {exc}", artifact_id=aid
         ) from None
     listed = {f.path for f in manifest.files}
-    for needed in (WEIGHTS_FILES[manifest.runtime], NORMALIZATION_FILE, LABEL_MAPPING_FILE):
+    for needed in (WEIGHTS_FILES[manifest.runtime], LABEL_MAPPING_FILE):
         if needed not in listed:
             raise ArtifactRejected(
                 "schema",
                 f"runtime {manifest.runtime} needs {needed!r} in the artifact",
                 artifact_id=aid,
             )
+    for needed in family.schema.preprocessing_files:
+        if needed not in listed:
+            raise ArtifactRejected(
+                "schema",
+                f"feature schema {family.schema.name} needs {needed!r} in the artifact",
+                artifact_id=aid,
+            )
+    return family
 
 
 def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -167,7 +172,7 @@ def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
 
 
 def _deserialize_torch(
-    data: bytes | bytearray, model: RankerMLP, precision: str
+    data: bytes | bytearray, model: nn.Module, precision: str
 ) -> dict[str, torch.Tensor]:
     """The state dict in a verified ``weights.pt``, with what it declares checked against
     ``model`` (on the meta device) before a single tensor is read: its bytes can then cost no
@@ -206,7 +211,7 @@ class SafetensorsAssembler:
     def __init__(
         self,
         file_bytes: int,
-        model: RankerMLP,
+        model: nn.Module,
         precision: str,
         device: torch.device,
         compute_dtype: torch.dtype,
@@ -424,7 +429,7 @@ def _check_zip_records(data: bytes | bytearray) -> None:
             raise _unreadable(name, f"records {first!r} and {second!r} overlap")
 
 
-def _check_declared(state: object, model: RankerMLP, precision: str, name: str) -> None:
+def _check_declared(state: object, model: nn.Module, precision: str, name: str) -> None:
     """What a torch state dict declares (read on the meta device), before its data is read:
     the architecture's keys, shapes and dtype, and no more storage than the parameters need
     (a tensor viewing a larger storage would keep all of it alive in the model)."""
@@ -442,7 +447,7 @@ def _check_declared(state: object, model: RankerMLP, precision: str, name: str) 
 
 
 def _check_safetensors_header(
-    header_bytes: bytes, payload: int, model: RankerMLP, precision: str
+    header_bytes: bytes, payload: int, model: nn.Module, precision: str
 ) -> list[tuple[int, int, str]]:
     """The safetensors header (its JSON, after the 8-byte length) against the architecture
     and the file, before a tensor is read: the right keys, dtype and shapes, and byte ranges
@@ -506,7 +511,7 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _expected_shapes(model: RankerMLP) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -523,7 +528,7 @@ def _check_keys(expected: Mapping[str, object], got: Mapping[str, object], where
         )
 
 
-def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: str) -> None:
+def _check_state(state: dict[str, torch.Tensor], model: nn.Module, precision: str) -> None:
     expected = _expected_shapes(model)
     _check_keys(expected, state, "")
     dtype = PRECISIONS[precision]
@@ -542,16 +547,19 @@ def _check_state(state: dict[str, torch.Tensor], model: RankerMLP, precision: st
 
 
 class LoadedModel:
-    """A strictly loaded, dry-run-validated ranker on its device. Immutable once built."""
+    """A strictly loaded, dry-run-validated model of one family on its device. Immutable
+    once built."""
 
     def __init__(
         self,
         *,
         manifest: Manifest,
-        model: RankerMLP,
+        family: ModelFamily,
+        params: Mapping[str, int],
+        model: nn.Module,
         device: torch.device,
         compute_dtype: torch.dtype,
-        normalization: Normalization,
+        preprocessing: Any,
         labels: LabelMapping,
         memory: MemoryEstimate | None,
     ) -> None:
@@ -561,24 +569,27 @@ class LoadedModel:
         self.compute_dtype = compute_dtype  # what runs (fp32 on CPU, see compute_dtype_for)
         self.device = device
         self.runtime_build = runtime_build()
-        self.params: RankerParams = model.params
+        self.family = family
+        self.params: Mapping[str, int] = dict(params)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.normalization = normalization
+        self.preprocessing = preprocessing  # the family's, from the artifact's files
         self.labels = labels
         self.memory = memory
         self.timings: dict[str, float] = {}
         self.loaded_bytes = 0  # read from the cache, hashed and placed by the load
-        self._model: RankerMLP | None = model
+        self._model: nn.Module | None = model
 
     def _logits(self, requests: Sequence[WireRequest]) -> tuple[torch.Tensor, np.ndarray]:
         model = self._model
         if model is None:
             raise RuntimeError(f"model {self.artifact_id} is closed")
-        enc = encode_batch(requests, self.normalization)
+        enc = self.family.schema.encode(requests, self.preprocessing)
         with torch.inference_mode():
-            x = torch.from_numpy(enc.features).to(self.device, non_blocking=True)
-            ctx = torch.from_numpy(enc.context).to(self.device, non_blocking=True)
-            return model(x, ctx), enc.offsets
+            batch = {
+                name: torch.from_numpy(array).to(self.device, non_blocking=True)
+                for name, array in enc.arrays.items()
+            }
+            return self.family.network.forward(model, batch), enc.offsets
 
     def rank_batch(self, requests: Sequence[WireRequest]) -> list[list[RankedCandidate]]:
         """One forward for all candidates of all (already validated) requests."""
@@ -612,7 +623,15 @@ class LoadedModel:
     def dry_run(self, control: LoadControl | None = None) -> None:
         """Run the service's representative requests and validate every output."""
         tol = BATCH_INVARIANCE_ATOL[self.compute_dtype]
-        for batch in representative_batches(self.normalization):
+        network = self.family.network
+
+        def score(requests: Sequence[WireRequest]) -> list[np.ndarray]:
+            checkpoint(control)
+            logits, offsets = self._logits(requests)
+            scores = _sigmoid(logits.float().cpu().numpy())
+            return [scores[offsets[i] : offsets[i + 1]] for i in range(len(requests))]
+
+        for batch in network.representative_batches(self.preprocessing):
             checkpoint(control)
             logits, offsets = self._logits(batch)
             rows = int(offsets[-1])
@@ -645,6 +664,13 @@ class LoadedModel:
                         raise ArtifactRejected(
                             "dry_run", f"scores change by {diff:.3g} with the batch (tol {tol})"
                         )
+            in_batch = _sigmoid(host)
+            network.check_invariants(
+                score,
+                batch,
+                [in_batch[offsets[i] : offsets[i + 1]] for i in range(len(batch))],
+                tol,
+            )
         if self.device.type == "cuda":
             # Warm-up is complete only when the queued kernels have run; not on the request path.
             torch.cuda.synchronize(self.device)
@@ -672,47 +698,6 @@ def _check_ranking(req: WireRequest, answer: list[RankedCandidate], labels: Labe
         raise ArtifactRejected("dry_run", "a result carries an unknown label")
 
 
-def representative_batches(norm: Normalization, seed: int = 20261008) -> list[list[WireRequest]]:
-    """Service-owned warm-up requests, of the type the router sends: several batch sizes,
-    dense / sparse / all-missing / extreme features, top-N below, at and above the candidate
-    count, every context value."""
-    rng = np.random.default_rng(seed)
-
-    def rows(n: int, missing: float = 0.0, scale: float = 1.0) -> np.ndarray:
-        raw = norm.mean + norm.std * scale * rng.standard_normal((n, NUM_FEATURES))
-        drop = rng.random((n, NUM_FEATURES)) < missing
-        return np.where(drop, np.nan, raw).astype(np.float32)  # NaN = missing
-
-    def request(
-        tag: str, feats: np.ndarray, top_n: int, ctx: dict[str, str | int] | None = None
-    ) -> WireRequest:
-        ids = tuple(f"{tag}-{i}" for i in range(len(feats)))
-        return WireRequest(ids, feats, dict(ctx or {}), top_n)
-
-    all_missing = np.full((3, NUM_FEATURES), np.nan, dtype=np.float32)
-    single = [request("single", rows(1), 1)]
-    mixed = [
-        request("one", rows(1), 5, {"surface": "search"}),
-        request("sparse", rows(7, missing=0.7), 3, {"hour_of_day": 23, "device_class": "tablet"}),
-        request("extreme", rows(33, scale=1e6), 33, {"locale_bucket": "ja"}),
-        request("dense", rows(64), 100),
-        request(
-            "empty", np.concatenate([all_missing, rows(2, missing=0.95)]), 4, {"surface": "email"}
-        ),
-    ]
-    widest = max(len(f.values) for f in CONTEXT_FIELDS.values())
-    every_context = [
-        request(
-            f"ctx{j}",
-            rows(16, missing=0.1),
-            10,
-            {name: f.values[j % len(f.values)] for name, f in CONTEXT_FIELDS.items()},
-        )
-        for j in range(widest)
-    ]
-    return [single, mixed, every_context]
-
-
 class CandidateLoad:
     """One candidate's load, from its manifest to a model: what the service can serve and
     the memory budget are checked before a single weights byte is read (``start``), then
@@ -730,15 +715,19 @@ class CandidateLoad:
         budget: MemoryBudget | None = None,
         resident_bytes: int = 0,
         expect: Callable[[Manifest], None] | None = None,
+        families: Families | None = None,
     ) -> None:
         self.device = device or default_device()
+        self.families = families or families_for(SHIPPED_FAMILIES)
         self.expect = expect  # the caller's own checks of the manifest, run first
         self.budget = budget
         self.resident_bytes = resident_bytes
         self.manifest: Manifest | None = None
         self.memory: MemoryEstimate | None = None
         self.compute_dtype = torch.float32
-        self.model: RankerMLP | None = None
+        self.model: nn.Module | None = None
+        self.family: ModelFamily | None = None
+        self.params: dict[str, int] = {}
         self.assembler: SafetensorsAssembler | None = None
 
     def start(self, manifest: Manifest) -> dict[str, Callable[[memoryview], None]]:
@@ -746,17 +735,20 @@ class CandidateLoad:
         (none for the pickle format, which needs the whole file)."""
         if self.expect is not None:
             self.expect(manifest)
-        check_compatibility(manifest)
-        params = ranker_params(manifest.architecture)
+        family = check_compatibility(manifest, self.families)
+        _, spec = self.families.resolve(manifest.architecture)
+        params = spec.validate(manifest.architecture)
         self.compute_dtype = compute_dtype_for(manifest.precision, self.device)
         if self.budget is not None:
             self.memory = _memory_estimate(
-                manifest, params, self.device, self.compute_dtype, self.budget,
-                self.resident_bytes,
+                manifest, family.network.memory(params), self.device, self.compute_dtype,
+                self.budget, self.resident_bytes,
             )  # fmt: skip
             check_budget(self.memory)
         self.manifest = manifest
-        self.model = build_ranker(manifest.architecture, device="meta")
+        self.family, self.params = family, params
+        with torch.device("meta"):  # nothing allocated, nothing initialised
+            self.model = family.network.build(params)
         if manifest.runtime != "safetensors":
             return {}
         weights = WEIGHTS_FILES["safetensors"]
@@ -777,14 +769,14 @@ class CandidateLoad:
 
 def _memory_estimate(
     manifest: Manifest,
-    params: RankerParams,
+    network: NetworkMemory,
     device: torch.device,
     compute_dtype: torch.dtype,
     budget: MemoryBudget,
     resident_bytes: int,
 ) -> MemoryEstimate:
     stored = PRECISIONS[manifest.precision]
-    n = params.param_count
+    n = network.param_count
     weight_bytes = n * compute_dtype.itemsize
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if manifest.runtime == "safetensors":
@@ -799,10 +791,8 @@ def _memory_estimate(
         temporaries = file_bytes + (n * stored.itemsize if stored != compute_dtype else 0)
     else:
         # Tensors move to the device one at a time; the largest is the transient excess.
-        largest = max(params.input_dim, params.hidden_dim) * params.hidden_dim
-        temporaries = largest * compute_dtype.itemsize
-    widest = max(params.input_dim, params.hidden_dim)
-    workspace = DRY_RUN_MAX_ROWS * (params.input_dim + 3 * widest) * compute_dtype.itemsize
+        temporaries = network.largest_tensor * compute_dtype.itemsize
+    workspace = DRY_RUN_MAX_ROWS * network.workspace_per_row * compute_dtype.itemsize
     return estimate_peak(
         budget,
         device=device,
@@ -842,32 +832,40 @@ def load_verified(
     resident_bytes: int = 0,
     control: LoadControl | None = None,
     prepared: CandidateLoad | None = None,
+    families: Families | None = None,
 ) -> LoadedModel:
     """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure.
     ``control`` paces, counts (stage ``load``) and can cancel a background load
     (app.load_control): each chunk read and hashed, each dry-run forward. ``prepared``: the
     load that was the fetch's sink (its checks done; its weights fed if the fetch was cold);
-    without it one is made here, with ``device``, ``budget`` and ``resident_bytes``."""
+    without it one is made here, with ``device``, ``budget``, ``resident_bytes`` and
+    ``families`` (default: every family the service ships)."""
     manifest = artifact.manifest
     aid = manifest.artifact_id
     t0 = time.perf_counter()
     try:
         load = prepared or CandidateLoad(
-            device=device, budget=budget, resident_bytes=resident_bytes
+            device=device, budget=budget, resident_bytes=resident_bytes, families=families
         )
         if load.manifest is None:
             load.start(manifest)
         elif load.manifest != manifest:
             raise ValueError("the prepared load is for another manifest")
         model, device, compute_dtype = load.model, load.device, load.compute_dtype
-        assert model is not None
+        family = load.family
+        assert model is not None and family is not None
         weights_file = WEIGHTS_FILES[manifest.runtime]
-        small = sum(manifest.file(f).bytes for f in (NORMALIZATION_FILE, LABEL_MAPPING_FILE))
+        small_files = (*family.schema.preprocessing_files, LABEL_MAPPING_FILE)
+        small = sum(manifest.file(f).bytes for f in small_files)
         weights_bytes = manifest.file(weights_file).bytes
         read_here = small + (0 if load.fed else weights_bytes)  # the fetch fed the rest
         begin(control, "load", read_here)
-        normalization = Normalization.from_json(artifact.read_verified(NORMALIZATION_FILE, control))
-        labels = LabelMapping.from_json(artifact.read_verified(LABEL_MAPPING_FILE, control))
+        preprocessing = family.schema.preprocessing(
+            {f: artifact.read_verified(f, control) for f in family.schema.preprocessing_files}
+        )
+        labels = LabelMapping.from_json(
+            artifact.read_verified(LABEL_MAPPING_FILE, control), family.schema.name
+        )
         if load.assembler is not None:
             if read_here > small:
                 _read_into(artifact, weights_file, load.assembler, device, control)
@@ -887,10 +885,12 @@ def load_verified(
         model.to(device=device, dtype=compute_dtype).eval().requires_grad_(False)
         loaded = LoadedModel(
             manifest=manifest,
+            family=family,
+            params=load.params,
             model=model,
             device=device,
             compute_dtype=compute_dtype,
-            normalization=normalization,
+            preprocessing=preprocessing,
             labels=labels,
             memory=load.memory,
         )

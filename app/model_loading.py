@@ -19,15 +19,15 @@ import torch
 
 from app.artifact_store import check_uri_allowed
 from app.cache import ArtifactCache, Lease
-from app.contracts import LoadingConfig, LoadTimings, Target
+from app.contracts import DEFAULT_FEATURE_SCHEMA, LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
-from app.features import FEATURE_SCHEMA
 from app.generations import Generation, GenerationHolder
 from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
 from app.loader import CandidateLoad, LoadedModel, load_verified
 from app.manifest import Manifest
 from app.memory import MemoryBudget
+from app.model_family import DEFAULT_FAMILIES, Families, families_for
 
 # What a loader reading a verified cache entry finds when the entry's bytes changed since.
 CACHED_BYTES_CHANGED: Final = frozenset({"size", "digest"})
@@ -98,8 +98,13 @@ class ModelLoader:
         on_installed: Callable[[Candidate], None],
         cpu_share: Callable[[], float | None] = lambda: None,
         loading: Callable[[], LoadingConfig] = LoadingConfig,
+        serving: Callable[[], tuple[Families, str]] = lambda: (
+            families_for(DEFAULT_FAMILIES),
+            DEFAULT_FEATURE_SCHEMA,
+        ),
     ) -> None:
         self._on_installed = on_installed
+        self._serving = serving
         self._loading = loading
         self._cpu_share = cpu_share  # None: an unpaced load
         self._cache = cache
@@ -109,11 +114,12 @@ class ModelLoader:
         self._device = device
 
     def load(self, target: Target, control: LoadControl | None = None) -> Candidate:
-        if target.feature_schema != FEATURE_SCHEMA:
+        families, schema = self._serving()
+        if target.feature_schema != schema:
             raise ArtifactRejected(
                 "schema",
-                f"target feature_schema {target.feature_schema!r}; this service speaks "
-                f"{FEATURE_SCHEMA!r}",
+                f"target feature_schema {target.feature_schema!r}; this deployment serves "
+                f"{schema!r} (feature_schema)",
                 artifact_id=target.artifact_id,
             )
         loading = self._loading()
@@ -141,6 +147,7 @@ class ModelLoader:
             budget=self._budget(),
             resident_bytes=resident,
             expect=lambda manifest: check_manifest_for(target, loading, manifest),
+            families=families,
         )
         try:
             artifact = cache.fetch_verified(

@@ -16,7 +16,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from app.artifact_store import manifest_uri_for
-from app.contracts import EXPECTED_DIVERGENCE_KEY, ExpectedDivergence, SignatureTrust, Target
+from app.contracts import (
+    DEFAULT_FEATURE_SCHEMA,
+    EXPECTED_DIVERGENCE_KEY,
+    ExpectedDivergence,
+    SignatureTrust,
+    Target,
+)
 from app.errors import ArtifactRejected, ConfigError
 from app.manifest import (
     MANIFEST_NAME,
@@ -43,15 +49,18 @@ class PackResult:
     out_dir: Path
     manifest_uri: str
     manifest_sha256: str
+    # The manifest's: a target of this artifact names it (a replica serving another schema
+    # refuses the target before fetching anything).
+    feature_schema: str = DEFAULT_FEATURE_SCHEMA
 
     def target(self, revision: int) -> Target:
-        """This artifact as a cohort's target at ``revision`` (the manifest's feature schema
-        is the service's default; a target naming another is refused when it loads)."""
+        """This artifact as a cohort's target at ``revision``."""
         return Target(
             revision=revision,
             artifact_id=self.artifact_id,
             manifest_uri=self.manifest_uri,
             manifest_sha256=self.manifest_sha256,
+            feature_schema=self.feature_schema,
         )
 
     def as_json(self) -> dict[str, str]:
@@ -244,4 +253,5 @@ def pack_artifact(
         out_dir=out_dir,
         manifest_uri=manifest_uri_for(out_dir),
         manifest_sha256=sha256_hex(manifest_bytes),
+        feature_schema=feature_schema,
     )

@@ -1,9 +1,10 @@
 """Offline replay: a set of rank requests through a baseline and a candidate model, compared
 as the router compares a mirrored request live.
 
-Each request takes the replicas' own path: the HTTP body is validated by the API
-(``app.api.parse_rank_body``), turned into the ``WireRequest`` the router hands a replica
-(``app.api.to_wire``) and ranked by a loaded model (``app.loader.LoadedModel.rank_batch``).
+Each request takes the replicas' own path: the HTTP body is validated by the request schema
+of the models' family (``app.model_family.RequestSchema.parse``, as the router validates
+it), which gives the ``WireRequest`` the router hands a replica, and ranked by a loaded
+model (``app.loader.LoadedModel.rank_batch``).
 The two answers are compared with ``app.divergence.compare_rankings`` and added up in a
 ``DivergenceTotals``, the very comparison and totals of the shadow phase (``app.shadow``);
 ``expected_divergence`` turns the totals into the ``metadata.expected_divergence`` block a
@@ -21,10 +22,10 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from app.api import MAX_BODY_BYTES, RequestInvalid, parse_rank_body, to_wire
-from app.contracts import ExpectedDivergence, WireRequest
+from app.api import MAX_BODY_BYTES, RequestInvalid
+from app.contracts import DEFAULT_FEATURE_SCHEMA, ExpectedDivergence, WireRequest
 from app.divergence import (
     DEFAULT_RBO_P,
     DEFAULT_TOP_K,
@@ -33,8 +34,11 @@ from app.divergence import (
     quantile,
 )
 from app.errors import ConfigError
-from app.features import RankedCandidate
+from app.preprocessing import RankedCandidate
 from app.request_bodies import DEFAULT_CANDIDATES, DEFAULT_SEED, DEFAULT_TOP_N, rank_bodies
+
+if TYPE_CHECKING:
+    from app.model_family import RequestSchema
 
 DEFAULT_REQUESTS: Final = 2000
 MAX_GENERATED: Final = 1_000_000
@@ -53,11 +57,22 @@ class Ranker(Protocol):
     def rank_batch(self, requests: Sequence[WireRequest]) -> list[list[RankedCandidate]]: ...
 
 
-def wire_request(body: bytes | Mapping[str, Any]) -> WireRequest:
-    """A rank body (its JSON bytes, or the object) validated as the API validates it and
-    turned into what a replica gets; RequestInvalid names the first bad field."""
+def _schema(schema: RequestSchema | None) -> RequestSchema:
+    if schema is None:
+        from app.models.ranker_mlp.features import SCHEMA
+
+        return SCHEMA
+    return schema
+
+
+def wire_request(
+    body: bytes | Mapping[str, Any], schema: RequestSchema | None = None
+) -> WireRequest:
+    """A rank body (its JSON bytes, or the object) validated as the router validates it with
+    ``schema`` (default: ``ranker-features-v3``) and turned into what a replica gets;
+    RequestInvalid names the first bad field."""
     raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
-    return to_wire(parse_rank_body(raw))
+    return _schema(schema).parse(raw).wire
 
 
 @dataclass(frozen=True)
@@ -79,9 +94,10 @@ def generated_requests(
     seed: int = DEFAULT_SEED,
     candidates: int = DEFAULT_CANDIDATES,
     top_n: int = DEFAULT_TOP_N,
+    schema: RequestSchema | None = None,
 ) -> RequestSet:
-    """``count`` bodies of the live load's generator (``app.request_bodies.rank_bodies``),
-    each through the API's validation."""
+    """``count`` bodies of the live load's generator (``app.request_bodies.rank_bodies``)
+    of ``schema``, each through its validation."""
     if not 1 <= count <= MAX_GENERATED:
         raise ConfigError(
             f"generated requests: {count} is not in [1, {MAX_GENERATED}]", field="generated"
@@ -89,11 +105,15 @@ def generated_requests(
     shape = ""
     if (candidates, top_n) != (DEFAULT_CANDIDATES, DEFAULT_TOP_N):
         shape = f", {candidates} candidates, top_n {top_n}"
+    schema = _schema(schema)
     source = f"generated: {count} requests, seed {seed}{shape}"
+    if schema.name != DEFAULT_FEATURE_SCHEMA:
+        source += f", {schema.name}"
 
     def read() -> Iterator[WireRequest]:
-        for body in rank_bodies(count, seed=seed, candidates=candidates, top_n=top_n):
-            yield wire_request(body)
+        bodies = rank_bodies(count, seed=seed, candidates=candidates, top_n=top_n, schema=schema)
+        for body in bodies:
+            yield wire_request(body, schema)
 
     return RequestSet(source, count, read)
 
@@ -126,10 +146,10 @@ def _file_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, body
 
 
-def _file_requests(path: Path) -> Iterator[WireRequest]:
+def _file_requests(path: Path, schema: RequestSchema | None) -> Iterator[WireRequest]:
     for number, body in _file_lines(path):
         try:
-            yield wire_request(body)
+            yield wire_request(body, schema)
         except RequestInvalid as exc:
             raise ConfigError(
                 f"requests file {path}, line {number}: {exc.field}: {exc.detail}",
@@ -138,16 +158,16 @@ def _file_requests(path: Path) -> Iterator[WireRequest]:
             ) from None
 
 
-def requests_file(path: Path | str) -> RequestSet:
+def requests_file(path: Path | str, schema: RequestSchema | None = None) -> RequestSet:
     """The requests of a JSON-lines file, one ``POST /v1/rank`` body a line (blank lines are
     skipped). Every line is validated here, before anything is replayed (and again as it is
     replayed): ConfigError names the file, the line number and the field."""
     path = Path(path)
-    count = sum(1 for _ in _file_requests(path))
+    count = sum(1 for _ in _file_requests(path, schema))
     if count == 0:
         raise ConfigError(f"requests file {path}: holds no requests", field="requests")
     return RequestSet(
-        f"requests file {path.name}: {count} requests", count, lambda: _file_requests(path)
+        f"requests file {path.name}: {count} requests", count, lambda: _file_requests(path, schema)
     )
 
 

@@ -76,6 +76,7 @@ from app.faults import (
 from app.generations import GenerationHolder, NotReady
 from app.loader import LoadedModel, default_device
 from app.memory import MemoryBudget, device_capacity
+from app.model_family import Families, RequestSchema, families_for
 from app.model_loading import Candidate, ModelLoader
 from app.reconciler import (
     BackoffPolicy,
@@ -162,6 +163,7 @@ class RankerReplica:
             on_installed=self._installed,
             cpu_share=lambda: self.config.loading.cpu_share if self._background else None,
             loading=lambda: self.config.loading,
+            serving=lambda: (self.families, self.config.feature_schema),
         )
         self._reconciler: Reconciler[Candidate] = Reconciler(
             self._loader,
@@ -193,6 +195,25 @@ class RankerReplica:
         if self._config is None:
             raise ReplicaNotReady("replica has no user_config yet")
         return self._config
+
+    @property
+    def families(self) -> Families:
+        """The model families the current config registers."""
+        return families_for(self.config.models)
+
+    @property
+    def schema(self) -> RequestSchema:
+        """The request schema this replica serves (its direct HTTP ingress parses with it)."""
+        return self.families.schema(self.config.feature_schema)
+
+    @staticmethod
+    def _check_families(cfg: ReplicaConfig) -> None:
+        """ConfigError naming ``user_config.models[i]`` or ``user_config.feature_schema``."""
+        families = Families.from_paths(cfg.models, where="user_config.models")
+        try:
+            families.schema(cfg.feature_schema)
+        except ConfigError as exc:
+            raise ConfigError(f"user_config.{exc}", field="user_config.feature_schema") from None
 
     @property
     def has_config(self) -> bool:
@@ -265,6 +286,7 @@ class RankerReplica:
                     f"{new.cohort!r}",
                     field="user_config.cohort",
                 )
+            self._check_families(new)
             cache = self._cache_for(new)
         except ConfigError as exc:
             if old is None:

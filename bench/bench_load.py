@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.demo_artifacts import DEMO_MODEL, write_ranker_source  # noqa: E402
-from app.features import FEATURE_SCHEMA  # noqa: E402
+from app.models.ranker_mlp.features import FEATURE_SCHEMA  # noqa: E402
 from app.packing import PackResult, pack_artifact  # noqa: E402
 
 HIDDEN = 4096  # each hidden layer is one 64 MiB fp32 tensor

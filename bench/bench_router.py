@@ -65,7 +65,7 @@ import aiohttp
 import numpy as np
 
 from app.demo_artifacts import DEMO_PARAMS, make_demo_artifacts
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 from app.polling import wait_until
 from rollout.local_cluster import LocalCluster
 from rollout.multinode import MultiNodeCluster, pinned_layout

@@ -132,7 +132,7 @@ def swap_under_load(root: Path, first, second, device: torch.device, seconds: fl
     import numpy as np
 
     from app.contracts import WireRequest
-    from app.features import NUM_FEATURES
+    from app.models.ranker_mlp.features import NUM_FEATURES
     from app.replica import RankerReplica
 
     replica = RankerReplica("gpu-check", device=device, loader_nice=0)
@@ -225,7 +225,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
 
     from app.demo_artifacts import DEMO_MODEL, write_ranker_source
-    from app.features import FEATURE_SCHEMA
+    from app.models.ranker_mlp.features import FEATURE_SCHEMA
     from app.packing import pack_artifact
 
     hidden = HIDDEN if args.gib >= 1 else 1024

@@ -35,6 +35,7 @@ from app.contracts import (
     Target,
 )
 from app.errors import ConfigError
+from app.model_family import Families
 from deployments.ranker import Ranker
 from deployments.router import Router
 
@@ -53,21 +54,16 @@ def resolve_target(cohort: CohortArgs, args: AppArgs, field: str) -> Target | No
         return cohort.target
     if args.demo_artifacts_dir is None:
         raise ConfigError(f"args.{field}.demo_artifact needs args.demo_artifacts_dir")
-    from app.demo_artifacts import make_demo_artifacts  # local configs only (packs torch)
+    # Local configs only (packs with torch).
+    from app.demo_artifacts import DEMO_ARTIFACT_IDS, pack_demo_artifact
 
-    packed = {p.artifact_id: p for p in make_demo_artifacts(project_path(args.demo_artifacts_dir))}
-    found = packed.get(cohort.demo_artifact)
+    found = pack_demo_artifact(project_path(args.demo_artifacts_dir), cohort.demo_artifact)
     if found is None:
         raise ConfigError(
             f"args.{field}.demo_artifact: {cohort.demo_artifact!r} is not a demo artifact "
-            f"(known: {sorted(packed)})"
+            f"(known: {sorted(DEMO_ARTIFACT_IDS)})"
         )
-    return Target(
-        revision=cohort.demo_revision,
-        artifact_id=found.artifact_id,
-        manifest_uri=found.manifest_uri,
-        manifest_sha256=found.manifest_sha256,
-    )
+    return found.target(cohort.demo_revision)
 
 
 def _resolved_trust(trust: SignatureTrust) -> SignatureTrust:
@@ -106,6 +102,8 @@ def replica_config(
         cache_byte_budget=args.cache_byte_budget,
         report_interval_s=args.report_interval_s,
         faults=faults,
+        models=args.models,
+        feature_schema=served_schema(args),
     )
 
 
@@ -139,9 +137,21 @@ def _ranker(args: AppArgs, cohort: Role) -> Application:
     return Ranker.options(**_ranker_options(cohort, spec, config, args.access_log)).bind()
 
 
+def served_schema(args: AppArgs) -> str:
+    """The request schema the app serves: ``args.feature_schema``, or the first family's.
+    ConfigError naming ``args.models[i]`` (a module that is no family) or
+    ``args.feature_schema`` (no family registered has it)."""
+    families = Families.from_paths(args.models, where="args.models")
+    try:
+        return families.schema(args.feature_schema).name
+    except ConfigError as exc:
+        raise ConfigError(f"args.{exc}", field="args.feature_schema") from None
+
+
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     if not isinstance(args, AppArgs):  # called directly with a plain dict
         args = AppArgs.parse(args, where="args")
+    schema = served_schema(args)  # before anything is bound: a bad family fails the deploy
     stable = _ranker(args, "stable")
     if args.mode == "ranker_only":
         return stable
@@ -155,5 +165,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     ).bind(
         stable,
         _ranker(args, "canary"),
-        *((_ranker(args, FALLBACK),) if args.fallback is not None else ()),
+        _ranker(args, FALLBACK) if args.fallback is not None else None,
+        models=list(args.models),
+        feature_schema=schema,
     )

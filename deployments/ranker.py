@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RequestInvalid, parse_rank_body, read_body, to_wire
+from app.api import RequestInvalid, read_body
 from app.contracts import (
     BatchingConfig,
     CohortArgs,
@@ -208,7 +208,7 @@ class Ranker:
             return Response(b'{"error":"not_found"}', status_code=404)
         try:
             raw = await read_body(request.headers.get("content-length"), request.stream())
-            body = parse_rank_body(raw)
+            parsed = self._core.schema.parse(raw)
         except RequestInvalid as exc:
             # A body over the cap (413) is left unread: the connection is not reusable.
             headers = {"Connection": "close"} if exc.status == 413 else None
@@ -223,7 +223,7 @@ class Ranker:
         except InjectedFault as exc:
             payload = {"error": exc.category, "detail": str(exc)}
             return Response(json.dumps(payload), status_code=503, media_type="application/json")
-        answer = await self._forward([to_wire(body)])
+        answer = await self._forward([parsed.wire])
         meta = answer.model
         payload = {
             "ranking": [{"id": i, "score": s, "label": lb} for i, s, lb in answer.rankings[0]],

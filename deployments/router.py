@@ -19,7 +19,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -36,9 +36,7 @@ from app.api import (
     ReplicaView,
     RequestInvalid,
     StatusResponse,
-    parse_rank_body,
     read_body,
-    to_wire,
 )
 from app.coalescing import CohortCoalescer
 from app.contracts import (
@@ -60,6 +58,7 @@ from app.contracts import (
     clip_text,
 )
 from app.errors import ConfigError
+from app.model_family import DEFAULT_FAMILIES, families_for
 from app.routing import (
     CohortHealth,
     can_fail_over_to,
@@ -223,7 +222,13 @@ class Router:
         stable: DeploymentHandle,
         canary: DeploymentHandle,
         fallback: DeploymentHandle | None = None,
+        *,
+        models: Sequence[str] = DEFAULT_FAMILIES,
+        feature_schema: str | None = None,
     ) -> None:
+        # The request schema of the family the app serves (torch-free: the router parses
+        # requests, it never loads a model); build_app checked the names already.
+        self._schema = families_for(models).schema(feature_schema)
         self._handles: dict[str, DeploymentHandle] = {STABLE: stable, CANARY: canary}
         if fallback is not None:
             self._handles[FALLBACK] = fallback
@@ -523,7 +528,7 @@ class Router:
         started = time.perf_counter()
         try:
             raw = await read_body(request.headers.get("content-length"), request.stream())
-            body = parse_rank_body(raw)
+            parsed = self._schema.parse(raw)
             forced = parse_forced_cohort(
                 request.headers.get(COHORT_HEADER), allowed=config.allow_cohort_header
             )
@@ -536,8 +541,8 @@ class Router:
             return response
         except ValueError as exc:
             return self._reject(422, "invalid_request", str(exc), field=COHORT_HEADER)
-        wire = to_wire(body)
-        key = request_key(body.user_id, body.session_id)
+        wire = parsed.wire
+        key = request_key(parsed.user_id, parsed.session_id)
         decision = decide_route(
             canary_bp=config.canary_bp,
             salt=config.salt,

@@ -520,14 +520,27 @@ def replay(
 
     trust = trust_from_options(trust_args)
     path, count, seed = _requests_option_check(requests_path, generated, seed)
-    # A bad requests file is refused before any artifact is fetched.
-    requests = requests_file(path) if path is not None else generated_requests(count, seed=seed)
     with progress_bars(wanted(as_json)) as bars:
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
         baseline = _verified_model(cache, baseline_dir, baseline_sha256, model, bars)
         try:
+            # The requests are the baseline's schema (its family's); a bad requests file is
+            # refused before the candidate is fetched.
+            schema = baseline.family.schema
+            requests = (
+                requests_file(path, schema)
+                if path is not None
+                else generated_requests(count, seed=seed, schema=schema)
+            )
             candidate = _verified_model(cache, candidate_dir, candidate_sha256, model, bars)
             try:
+                if candidate.manifest.feature_schema != schema.name:
+                    raise ConfigError(
+                        f"candidate: {candidate.artifact_id} speaks "
+                        f"{candidate.manifest.feature_schema!r}, the baseline {schema.name!r}: "
+                        "no request is valid for both",
+                        field="candidate",
+                    )
                 block, _ = replay_expectation(
                     baseline,
                     candidate,
@@ -560,15 +573,28 @@ def replay(
     "(packaging bugs) and ranker-v43 (fine-tuned, with its expected divergence from "
     "ranker-v41 recorded).",
 )
-def make_demo_artifacts_command(out_dir: Path, shadow: bool) -> None:
+@click.option(
+    "--two-tower",
+    is_flag=True,
+    help="Also the two-tower family's two-tower-v1 and two-tower-v2 (model recs-two-tower, "
+    "schema two-tower-features-v1).",
+)
+def make_demo_artifacts_command(out_dir: Path, shadow: bool, two_tower: bool) -> None:
     """Write the demo artifacts ranker-v41, ranker-v42 and ranker-lite-v1 (deterministic)
     into OUT_DIR: one JSON line each."""
-    from app.demo_artifacts import SHADOW_BASELINE, make_demo_artifacts, make_shadow_artifacts
+    from app.demo_artifacts import (
+        SHADOW_BASELINE,
+        make_demo_artifacts,
+        make_shadow_artifacts,
+        make_two_tower_artifacts,
+    )
 
     results = make_demo_artifacts(out_dir)
     if shadow:
         baseline = next(r for r in results if r.artifact_id == SHADOW_BASELINE)
         results += list(make_shadow_artifacts(out_dir, baseline).values())
+    if two_tower:
+        results += make_two_tower_artifacts(out_dir)
     for result in results:
         emit(result.as_json())
 

@@ -36,6 +36,7 @@ import httpx
 
 from app.client import AsyncRankerClient, RankerHTTPError, RetriesExhausted, RetryPolicy
 from app.contracts import CANARY, COHORTS
+from app.model_family import SHIPPED_FAMILIES, families_for
 from app.request_bodies import DEFAULT_CANDIDATES, DEFAULT_SEED, DEFAULT_TOP_N, rank_bodies
 
 
@@ -66,6 +67,8 @@ class TrafficSpec:
     candidates: int = DEFAULT_CANDIDATES
     top_n: int = DEFAULT_TOP_N
     seed: int = DEFAULT_SEED
+    # The request schema of the bodies (a shipped family's); None: the default family's.
+    feature_schema: str | None = None
     timeout_s: float = 10.0  # per HTTP attempt
     # None: a plain client. Else app.client.AsyncRankerClient with this policy.
     retry: RetryPolicy | None = None
@@ -87,8 +90,14 @@ def _request_bodies(spec: TrafficSpec, count: int = 64) -> list[tuple[bytes, byt
     """Pre-encoded bodies (prefix, suffix) around the user id: JSON encoding per request would
     cost the generator more CPU than the service it measures. The bodies are
     ``app.request_bodies.rank_bodies`` (which ``rollout replay`` sends offline too)."""
+    schema = (
+        None
+        if spec.feature_schema is None
+        else families_for(SHIPPED_FAMILIES).schema(spec.feature_schema)
+    )
     bodies = []
-    for body in rank_bodies(count, seed=spec.seed, candidates=spec.candidates, top_n=spec.top_n):
+    shape = {"seed": spec.seed, "candidates": spec.candidates, "top_n": spec.top_n}
+    for body in rank_bodies(count, schema=schema, **shape):
         rest = json.dumps(body, separators=(",", ":"))
         bodies.append((b'{"user_id":"', b'",' + rest[1:].encode()))
     return bodies

@@ -20,12 +20,22 @@ from typing import Any, Final
 import torch
 
 from app.cache import ArtifactCache, VerifiedArtifact
-from app.demo_artifacts import DEMO_MODEL, ranker_weights, write_ranker_source
-from app.features import FEATURE_SCHEMA, NORMALIZATION_FILE
+from app.demo_artifacts import (
+    DEMO_MODEL,
+    TWO_TOWER_MODEL,
+    family_weights,
+    ranker_weights,
+    write_ranker_source,
+    write_two_tower_source,
+)
 from app.loader import PRECISIONS, WEIGHTS_FILES
 from app.manifest import MANIFEST_NAME, Architecture, parse_manifest
+from app.models.ranker_mlp.features import FEATURE_SCHEMA
+from app.models.ranker_mlp.network import RANKER_MLP
+from app.models.two_tower import TWO_TOWER
+from app.models.two_tower.features import FEATURE_SCHEMA as TWO_TOWER_SCHEMA
 from app.packing import PackResult, pack_artifact
-from app.ranker import RANKER_MLP
+from app.preprocessing import NORMALIZATION_FILE
 
 # A few hundred parameters: builds, loads and dry-runs in milliseconds.
 TINY_PARAMS: Final[Mapping[str, int]] = {"hidden_dim": 8, "num_layers": 2, "context_dim": 2}
@@ -75,6 +85,60 @@ def pack_ranker(
         architecture=architecture,
         metadata=metadata,
     )
+
+
+# The two-tower family's tiny shape.
+TINY_TWO_TOWER_PARAMS: Final[Mapping[str, int]] = {
+    "hidden_dim": 8,
+    "tower_layers": 1,
+    "embed_dim": 4,
+    "context_dim": 2,
+}
+
+
+def pack_two_tower(
+    root: Path,
+    *,
+    artifact_id: str = "two-tower-test",
+    seed: int = 0,
+    params: Mapping[str, int] = TINY_TWO_TOWER_PARAMS,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> PackResult:
+    """A ``two-tower`` artifact (model ``TWO_TOWER_MODEL``, schema ``two-tower-features-v1``)."""
+    src = Path(root) / f"src-{artifact_id}"
+    write_two_tower_source(src, seed=seed, params=params, weights=weights)
+    return pack_artifact(
+        src,
+        Path(root) / artifact_id,
+        model=TWO_TOWER_MODEL,
+        artifact_id=artifact_id,
+        feature_schema=TWO_TOWER_SCHEMA,
+    )
+
+
+def family_tiny_weights(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights ``pack_family`` writes for ``family`` and ``seed``."""
+    if family == RANKER_MLP:
+        return tiny_weights(seed)
+    arch = Architecture(name=TWO_TOWER, version=1, params=dict(TINY_TWO_TOWER_PARAMS))
+    return family_weights(arch, seed=seed)
+
+
+def pack_family(
+    root: Path,
+    family: str,
+    *,
+    artifact_id: str | None = None,
+    seed: int = 0,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> PackResult:
+    """A tiny artifact of a shipped family (``ranker-mlp`` or ``two-tower``)."""
+    aid = artifact_id or f"{family}-test"
+    if family == RANKER_MLP:
+        return pack_ranker(root, artifact_id=aid, seed=seed, weights=weights)
+    if family == TWO_TOWER:
+        return pack_two_tower(root, artifact_id=aid, seed=seed, weights=weights)
+    raise ValueError(f"no such shipped family: {family}")
 
 
 def open_verified(result: PackResult) -> VerifiedArtifact:

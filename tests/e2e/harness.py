@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +55,7 @@ from app.client import RetryPolicy
 from app.contracts import ControllerSettings, InstanceReport
 from app.demo_artifacts import make_demo_artifacts
 from app.faults import FAULT_INJECTION_ALLOWED, FAULT_INJECTION_ENV
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
 from app.registry import Registry, open_registry
@@ -389,6 +389,22 @@ def reset_serving(cluster: Cluster) -> None:
 # ====================================================================== the rollout application
 
 
+@dataclass(frozen=True)
+class RolloutApp:
+    """Which application ``rollout_application`` deploys: the default is the ``ranker``
+    family's ``rollout-e2e``; another family's app differs in its model, its artifacts, its
+    controller (each app has its own, by name) and its ``args`` (families, schema)."""
+
+    name: str = ROLLOUT_APP
+    prefix: str = ROLLOUT_PREFIX
+    model: str = "ranker"
+    baseline: str = BASELINE
+    candidate: str = CANDIDATE
+    controller: str = CONTROLLER_NAME
+    feature_schema: str | None = None  # of the traffic's bodies; None: the default family's
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class RolloutEnv:
     cluster: Cluster
@@ -396,10 +412,11 @@ class RolloutEnv:
     control: ServeControl
     settings: ControllerSettings
     url: str
+    app: RolloutApp = RolloutApp()
 
     @property
     def controller(self) -> Any:
-        return ensure_controller(self.settings)
+        return ensure_controller(self.settings, self.app.controller)
 
     def status(self) -> dict[str, Any]:
         return ray.get(self.controller.status.remote(), timeout=60)
@@ -423,37 +440,43 @@ class RolloutEnv:
         return wait_until(reached, timeout, desc, every=0.3, retry_on=(Exception,))
 
     def stable_target(self) -> str:
-        return self.registry.get_target("ranker", "default", "stable").artifact_id
+        return self.registry.get_target(self.app.model, "default", "stable").artifact_id
 
     def traffic(self, rate: float = 30) -> TrafficRun:
-        return steady_traffic(self.url, rate)
+        return steady_traffic(self.url, rate, feature_schema=self.app.feature_schema)
 
     def replica_ids(self, deployment: str) -> set[str]:
-        status = self.control.deployment_status(ROLLOUT_APP, deployment)
+        status = self.control.deployment_status(self.app.name, deployment)
         return {r["replica_id"] for r in status["replicas"] if r["state"] == "RUNNING"}
 
 
-def register(registry: Registry, packed: Any) -> None:
+def register(registry: Registry, packed: Any, model: str = "ranker") -> None:
     registry.register_artifact(packed.manifest_uri, packed.manifest_sha256)
-    registry.approve_artifact("ranker", packed.artifact_id, actor="e2e")
+    registry.approve_artifact(model, packed.artifact_id, actor="e2e")
 
 
 @contextmanager
-def rollout_application(cluster: Cluster, name: str) -> Iterator[RolloutEnv]:
-    """``rollout-e2e`` RUNNING in the session cluster with stable on the baseline, its own
-    SQLite registry (``name`` tells it apart) and the controller running; all removed at the
-    end."""
+def rollout_application(
+    cluster: Cluster,
+    name: str,
+    app: RolloutApp = RolloutApp(),
+    packed: Mapping[str, PackResult] | None = None,
+) -> Iterator[RolloutEnv]:
+    """``app`` RUNNING in the session cluster with stable on its baseline, its own SQLite
+    registry (``name`` tells it apart) and its controller running; all removed at the end.
+    ``packed``: where the app's artifacts are (default: the session's demo artifacts)."""
+    packed = packed or cluster.demo
     registry_url = f"sqlite:///{cluster.work / f'rollout-registry-{name}.db'}"
     registry = open_registry(registry_url)
-    for artifact in (BASELINE, CANDIDATE):
-        register(registry, cluster.demo[artifact])
+    for artifact in (app.baseline, app.candidate):
+        register(registry, packed[artifact], app.model)
     stable = registry.publish(
-        "ranker", "default", "stable", BASELINE, 0, actor="e2e", reason="init"
+        app.model, "default", "stable", app.baseline, 0, actor="e2e", reason="init"
     )
     control = ServeControl(cluster.dashboard_url)
-    app = {
-        "name": ROLLOUT_APP,
-        "route_prefix": ROLLOUT_PREFIX,
+    application = {
+        "name": app.name,
+        "route_prefix": app.prefix,
         "import_path": "deployments.app:build_app",
         "args": {
             "stable": {
@@ -464,50 +487,50 @@ def rollout_application(cluster: Cluster, name: str) -> Iterator[RolloutEnv]:
             "canary": {"num_replicas": 1, "num_cpus": 0.1},
             "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},
             "router_num_cpus": 0.1,
-            "cache_dir": str(cluster.work / "rollout-cache"),
+            "cache_dir": str(cluster.work / f"{app.name}-cache"),
             "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 2},
-            "controller": {"name": CONTROLLER_NAME, "namespace": CONTROLLER_NAMESPACE},
+            "controller": {"name": app.controller, "namespace": CONTROLLER_NAMESPACE},
             "report_interval_s": 0.5,
+            **app.args,
         },
     }
-    control.update(lambda config: config["applications"].append(app))
+    control.update(lambda config: config["applications"].append(application))
     wait_until(
-        lambda: (
-            (control.details()["applications"].get(ROLLOUT_APP) or {}).get("status") == "RUNNING"
-        ),
+        lambda: (control.details()["applications"].get(app.name) or {}).get("status") == "RUNNING",
         180,
-        f"{ROLLOUT_APP} RUNNING",
+        f"{app.name} RUNNING",
         retry_on=(Exception,),
     )
     settings = ControllerSettings(
         registry_url=registry_url,
         dashboard_url=cluster.dashboard_url,
-        app_name=ROLLOUT_APP,
+        app_name=app.name,
+        model=app.model,
         metrics_endpoints=(cluster.metrics_url,),
         tick_interval_s=0.3,
         metrics_delay_s=1.2,
         report_stale_s=10,
     )
     environment = RolloutEnv(
-        cluster, registry, control, settings, cluster.http_url + ROLLOUT_PREFIX
+        cluster, registry, control, settings, cluster.http_url + app.prefix, app
     )
     # Every test finds the controller running, whichever test of the module runs first.
-    ensure_controller(settings)
+    ensure_controller(settings, app.controller)
     try:
         yield environment
     finally:
-        handle = get_controller()
+        handle = get_controller(app.controller)
         if handle is not None:
             ray.kill(handle, no_restart=True)
         control.update(
             lambda config: config.update(
-                applications=[a for a in config["applications"] if a["name"] != ROLLOUT_APP]
+                applications=[a for a in config["applications"] if a["name"] != app.name]
             )
         )
         wait_until(
-            lambda: ROLLOUT_APP not in (control.details().get("applications") or {}),
+            lambda: app.name not in (control.details().get("applications") or {}),
             120,
-            f"{ROLLOUT_APP} deleted",
+            f"{app.name} deleted",
             retry_on=(Exception,),
         )
         control.close()
@@ -520,8 +543,9 @@ def reset_rollout(env: RolloutEnv) -> None:
     if view.get("rollout") and not view.get("finished"):
         env.command("abort", "test teardown")
         env.wait_for_phase("aborted", "rolled_back", "failed", "succeeded", finished=True)
-    if env.stable_target() != BASELINE:
-        ray.get(env.controller.rollback_stable.remote(BASELINE, "e2e", "reset"), timeout=60)
+    baseline = env.app.baseline
+    if env.stable_target() != baseline:
+        ray.get(env.controller.rollback_stable.remote(baseline, "e2e", "reset"), timeout=60)
 
 
 # ====================================================================== the standby application

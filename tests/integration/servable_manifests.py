@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from app.artifact_store import manifest_uri_for
-from app.features import FEATURE_SCHEMA, LABEL_MAPPING_FILE, NORMALIZATION_FILE
 from app.manifest import MANIFEST_NAME, Manifest, sha256_hex
+from app.models.ranker_mlp.features import FEATURE_SCHEMA
+from app.preprocessing import LABEL_MAPPING_FILE, NORMALIZATION_FILE
 from tests.integration.manifests import ManifestRef
 
 

@@ -190,3 +190,33 @@ def test_pack_refuses_a_block_file_that_is_not_json(tmp_path: Path) -> None:
     done = _pack(tmp_path / "src", tmp_path / "out", "--expected-divergence", str(block_file))
     assert "not valid JSON" in assert_error(done, EXIT_CONFIG, "error[config]: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_second_family_is_packed_verified_and_replayed_by_the_installed_binary(
+    tmp_path: Path,
+) -> None:
+    """``make-demo-artifacts --two-tower``, ``verify --load`` and ``replay`` of the two-tower
+    family: the offline tools know every shipped family, and replay sends the baseline's
+    schema."""
+    made = rollout("make-demo-artifacts", str(tmp_path / "store"), "--two-tower", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    packed = {d["artifact_id"]: d for d in map(json.loads, made.stdout.splitlines())}
+    v1, v2 = packed["two-tower-v1"], packed["two-tower-v2"]
+    verified = rollout(
+        "verify", v1["manifest_uri"], "--sha256", v1["manifest_sha256"], "--load",
+        "--model", "recs-two-tower", "--cache", str(tmp_path / "cache"), "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stderr
+    assert json.loads(verified.stdout.strip().splitlines()[-1])["artifact_id"] == "two-tower-v1"
+    replayed = rollout(
+        "replay",
+        "--baseline", str(tmp_path / "store" / "two-tower-v1"),
+        "--baseline-sha256", v1["manifest_sha256"],
+        "--candidate", str(tmp_path / "store" / "two-tower-v2"),
+        "--candidate-sha256", v2["manifest_sha256"],
+        "--model", "recs-two-tower", "--generated", "30", "--cache", str(tmp_path / "cache"),
+        "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    block = ExpectedDivergence.model_validate_json(replayed.stdout.strip().splitlines()[-1])
+    assert block.requests == 30 and block.source.endswith("two-tower-features-v1")

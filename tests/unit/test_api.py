@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.api import (
-    MAX_BODY_BYTES,
-    RequestInvalid,
-    parse_rank_body,
-    to_wire,
-)
+from app.api import MAX_BODY_BYTES, MAX_CANDIDATES, RequestInvalid
 from app.contracts import RouterConfig
-from app.features import MAX_CANDIDATES, NUM_FEATURES, encode_context
+from app.models.ranker_mlp.features import NUM_FEATURES, encode_context, parse_rank_body, to_wire
 
 
 def body(**overrides: Any) -> dict[str, Any]:
@@ -223,7 +218,7 @@ def test_booleans_and_strings_are_not_numbers_and_numbers_not_strings(
 
 
 def test_request_models_are_strict() -> None:
-    from app.api import CandidateIn, RankBody
+    from app.models.ranker_mlp.features import CandidateIn, RankBody
 
     with pytest.raises(ValidationError):
         RankBody.model_validate({**body(), "top_n": True})

@@ -12,7 +12,7 @@ import pytest
 
 from app.coalescing import Answer, CohortCoalescer
 from app.contracts import ModelMeta, WireAnswer, WireRequest
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 
 META = ModelMeta("ranker-v42", 7, "canary", "torch-test", "replica-1")
 TIMEOUT_S = 5.0  # a test that hangs (a lost waiter) fails after this instead

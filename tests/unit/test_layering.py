@@ -29,6 +29,13 @@ PURE_MODULES = (
     "app.standby",
     "app.divergence",
     "app.shadow",
+    # A family's declaration and request schema: the router holds them.
+    "app.model_family",
+    "app.preprocessing",
+    "app.models.ranker_mlp",
+    "app.models.ranker_mlp.features",
+    "app.models.two_tower",
+    "app.models.two_tower.features",
     "rollout.plan",
     "rollout.state",
     "rollout.machine",

@@ -11,7 +11,7 @@ import pytest
 from app.cache import ArtifactCache
 from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
-from app.loader import load_verified, representative_batches
+from app.loader import load_verified
 from tests.artifacts import pack_ranker
 
 
@@ -133,7 +133,9 @@ def test_download_verified_reads_and_dry_run_all_reach_pacing_points(tmp_path: P
         assert streaming.points[me] >= weights // (8 << 20)
         forwards = CountingPacer()
         model.dry_run(LoadControl(forwards))
-        assert forwards.points[me] >= len(representative_batches(model.normalization))
+        assert forwards.points[me] >= len(
+            model.family.network.representative_batches(model.preprocessing)
+        )
     finally:
         model.close()
 

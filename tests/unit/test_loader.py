@@ -12,7 +12,6 @@ import torch
 
 from app.contracts import WireRequest
 from app.errors import ArtifactRejected
-from app.features import CONTEXT_FIELDS, NUM_FEATURES, LabelMapping, RankedCandidate
 from app.loader import (
     CHUNK_BYTES,
     READ_BUFFERS,
@@ -21,10 +20,11 @@ from app.loader import (
     _check_ranking,
     check_compatibility,
     load_verified,
-    representative_batches,
 )
 from app.memory import MemoryBudget, MiB
+from app.models.ranker_mlp.features import CONTEXT_FIELDS, NUM_FEATURES
 from app.packing import PackResult
+from app.preprocessing import LabelMapping, RankedCandidate
 from tests.artifacts import (
     bad_architecture_params_artifact,
     bad_normalization_artifact,
@@ -86,7 +86,7 @@ def test_good_artifact_loads_dry_runs_and_ranks(tmp_path: Path):
     assert model.device == CPU and model.precision == "fp32"
     assert model.compute_dtype is torch.float32
     assert model.runtime_build == f"torch-{torch.__version__}"
-    assert model.param_bytes == model.params.param_count * 4
+    assert model.param_bytes == model.family.network.memory(model.params).param_count * 4
     assert set(model.timings) == {"load", "dry_run"}
     assert model.release_event() is None  # CPU: nothing asynchronous to wait for
 
@@ -256,7 +256,7 @@ def test_budget_uses_device_capacity_when_not_configured(tmp_path: Path):
 
 def test_representative_requests_cover_the_contract(tmp_path: Path):
     model = _load(good_artifact(tmp_path))
-    batches = representative_batches(model.normalization)
+    batches = model.family.network.representative_batches(model.preprocessing)
     assert len({len(b) for b in batches}) >= 3  # several batch sizes
     reqs = [r for b in batches for r in b]
     assert any(r.top_n < len(r.candidate_ids) for r in reqs)
@@ -268,7 +268,7 @@ def test_representative_requests_cover_the_contract(tmp_path: Path):
     for name, field in CONTEXT_FIELDS.items():
         assert {r.context.get(name) for r in reqs} >= set(field.values), name
     # Service-owned and deterministic: the same requests for every artifact.
-    again = representative_batches(model.normalization)
+    again = model.family.network.representative_batches(model.preprocessing)
     assert [[r.candidate_ids for r in b] for b in again] == [
         [r.candidate_ids for r in b] for b in batches
     ]
@@ -301,7 +301,7 @@ def test_output_validation_catches_broken_invariants(answer, detail):
 
 def test_dry_run_rejects_a_model_whose_forward_breaks(tmp_path: Path, monkeypatch):
     """A forward that raises or returns the wrong shape is a dry_run rejection, not a crash."""
-    from app import ranker
+    from app.models.ranker_mlp import network as ranker
 
     def wrong_shape(self, features, context):
         return torch.zeros(features.shape[0], 2)

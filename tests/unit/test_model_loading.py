@@ -14,10 +14,10 @@ from app.cache import ArtifactCache
 from app.contracts import FetchConfig, LoadingConfig, MemoryConfig
 from app.demo_artifacts import write_ranker_source
 from app.errors import ArtifactRejected
-from app.features import FEATURE_SCHEMA
 from app.generations import GenerationHolder
 from app.memory import MemoryBudget
 from app.model_loading import Candidate, ModelLoader
+from app.models.ranker_mlp.features import FEATURE_SCHEMA
 from app.packing import PackResult, pack_artifact
 from app.replica import RankerReplica
 from tests.artifacts import TINY_PARAMS

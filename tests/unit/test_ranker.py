@@ -14,21 +14,24 @@ import torch
 from app.contracts import WireRequest
 from app.demo_artifacts import label_mapping_doc, normalization_doc
 from app.errors import ArtifactRejected
-from app.features import (
+from app.manifest import Architecture
+from app.models.ranker_mlp.features import (
     CONTEXT_FIELDS,
     CONTEXT_ORDER,
     FEATURE_NAMES,
     FEATURE_SCHEMA,
     NUM_FEATURES,
-    LabelMapping,
-    Normalization,
-    RankedCandidate,
-    encode_batch,
+    SCHEMA,
     encode_context,
-    rank_from_logits,
 )
-from app.manifest import Architecture
-from app.ranker import KNOWN_ARCHITECTURES, RANKER_MLP, RankerMLP, build_ranker, ranker_params
+from app.models.ranker_mlp.network import (
+    KNOWN_ARCHITECTURES,
+    RANKER_MLP,
+    RankerMLP,
+    build_ranker,
+    ranker_params,
+)
+from app.preprocessing import LabelMapping, Normalization, RankedCandidate, rank_from_logits
 
 
 def _row(value: float | None = 1.0) -> tuple[float | None, ...]:
@@ -48,10 +51,10 @@ def _wire(
 def _norm(clip: float = 8.0) -> Normalization:
     doc = normalization_doc(7)
     doc["clip"] = clip
-    return Normalization.from_json(json.dumps(doc).encode())
+    return Normalization.from_json(json.dumps(doc).encode(), FEATURE_NAMES, FEATURE_SCHEMA)
 
 
-LABELS = LabelMapping.from_json(json.dumps(label_mapping_doc()).encode())
+LABELS = LabelMapping.from_json(json.dumps(label_mapping_doc()).encode(), FEATURE_SCHEMA)
 
 
 # --------------------------------------------------------------------------- schema
@@ -80,21 +83,24 @@ def test_encode_fills_missing_normalises_clips_and_flattens_without_padding():
         {"surface": "search", "hour_of_day": 5},
         1,
     )
-    enc = encode_batch([req1, req2], norm)
-    assert enc.features.shape == (3, NUM_FEATURES) and enc.features.dtype == np.float32
+    enc = SCHEMA.encode([req1, req2], norm)
+    assert (
+        enc.arrays["features"].shape == (3, NUM_FEATURES)
+        and enc.arrays["features"].dtype == np.float32
+    )
     assert enc.offsets.tolist() == [0, 1, 3]
     expected_fill = (norm.fill - norm.mean) / norm.std
-    np.testing.assert_allclose(enc.features[0], expected_fill, rtol=1e-5, atol=1e-6)
-    assert enc.features[1, 0] == pytest.approx(3.0)  # clipped from +100 std
-    np.testing.assert_allclose(enc.features[1, 1:], 0.0, atol=1e-5)
-    assert np.all(np.abs(enc.features) <= 3.0)
+    np.testing.assert_allclose(enc.arrays["features"][0], expected_fill, rtol=1e-5, atol=1e-6)
+    assert enc.arrays["features"][1, 0] == pytest.approx(3.0)  # clipped from +100 std
+    np.testing.assert_allclose(enc.arrays["features"][1, 1:], 0.0, atol=1e-5)
+    assert np.all(np.abs(enc.arrays["features"]) <= 3.0)
     defaults = encode_context({})
-    assert enc.context[0].tolist() == list(defaults)
-    assert enc.context[1].tolist() == enc.context[2].tolist()
+    assert enc.arrays["context"][0].tolist() == list(defaults)
+    assert enc.arrays["context"][1].tolist() == enc.arrays["context"][2].tolist()
     surface = CONTEXT_ORDER.index("surface")
     hour = CONTEXT_ORDER.index("hour_of_day")
-    assert enc.context[1, surface] == CONTEXT_FIELDS["surface"].values.index("search")
-    assert enc.context[1, hour] == 5
+    assert enc.arrays["context"][1, surface] == CONTEXT_FIELDS["surface"].values.index("search")
+    assert enc.arrays["context"][1, hour] == 5
 
 
 def test_every_context_value_has_its_own_index():
@@ -145,7 +151,7 @@ def _norm_bytes(mutate) -> bytes:
 )
 def test_bad_normalization_is_a_schema_rejection(mutate):
     with pytest.raises(ArtifactRejected) as info:
-        Normalization.from_json(_norm_bytes(mutate))
+        Normalization.from_json(_norm_bytes(mutate), FEATURE_NAMES, FEATURE_SCHEMA)
     assert info.value.category == "schema"
 
 
@@ -163,13 +169,13 @@ def test_bad_normalization_is_a_schema_rejection(mutate):
 def test_bad_label_mapping_is_a_schema_rejection(bands):
     data = json.dumps({"feature_schema": FEATURE_SCHEMA, "score_bands": bands}).encode()
     with pytest.raises(ArtifactRejected) as info:
-        LabelMapping.from_json(data)
+        LabelMapping.from_json(data, FEATURE_SCHEMA)
     assert info.value.category == "schema"
 
 
 def test_not_json_is_a_schema_rejection():
     with pytest.raises(ArtifactRejected, match="not valid JSON"):
-        Normalization.from_json(b"\xff{")
+        Normalization.from_json(b"\xff{", FEATURE_NAMES, FEATURE_SCHEMA)
 
 
 # --------------------------------------------------------------------------- architecture
@@ -240,6 +246,6 @@ def test_encode_takes_nan_in_the_wire_rows_as_missing():
     missing = _wire(("a", "b"), (_row(None), given), {"surface": "cart"}, 1)
     filled = _wire(("a", "b"), (tuple(norm.fill.tolist()), given), {"surface": "cart"}, 1)
     assert np.isnan(missing.features[0]).all()
-    a, b = encode_batch([missing], norm), encode_batch([filled], norm)
-    np.testing.assert_array_equal(a.features, b.features)
-    np.testing.assert_array_equal(a.context, b.context)
+    a, b = SCHEMA.encode([missing], norm), SCHEMA.encode([filled], norm)
+    np.testing.assert_array_equal(a.arrays["features"], b.arrays["features"])
+    np.testing.assert_array_equal(a.arrays["context"], b.arrays["context"])

@@ -14,7 +14,7 @@ from app.api import MAX_BODY_BYTES
 from app.contracts import ExpectedDivergence, WireRequest
 from app.divergence import DivergenceTotals, compare_rankings
 from app.errors import ConfigError
-from app.features import RankedCandidate
+from app.preprocessing import RankedCandidate
 from app.replay import (
     block_json,
     expected_divergence,

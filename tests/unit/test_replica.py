@@ -21,7 +21,7 @@ from app.contracts import FaultInjection, WireRequest
 from app.demo_artifacts import make_demo_artifacts
 from app.errors import ConfigError
 from app.faults import FAULT_INJECTION_ENV, NO_FAULT
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
 from app.replica import NODE_CACHE_DIR_ENV, RankerReplica, ReplicaNotReady

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from app.contracts import InstanceReport, ModelMeta, WireAnswer
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 from tests.unit.test_router import RouterClass, http_request, wait_for
 
 LITE = {"ndcg_at_10": 0.401}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from app.contracts import BASIS_POINTS, ModelMeta, ShadowRouting, WireRequest
-from app.features import NUM_FEATURES
+from app.models.ranker_mlp.features import NUM_FEATURES
 from app.routing import choose_cohort, request_key
 from app.shadow import COMPARED, DROPPED, ERROR, Comparison, ShadowMirror, is_mirrored
 

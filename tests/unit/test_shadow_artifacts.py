@@ -24,9 +24,9 @@ from app.demo_artifacts import (
     make_shadow_artifacts,
 )
 from app.errors import ConfigError
-from app.features import NUM_FEATURES
 from app.loader import LoadedModel, load_verified
 from app.manifest import MANIFEST_NAME, parse_manifest
+from app.models.ranker_mlp.features import NUM_FEATURES
 from app.packing import PackResult
 from app.replay import generated_requests, replay
 from rollout.cli import main

@@ -358,7 +358,7 @@ def safetensors_bytes(
 def test_the_assembler_takes_chunks_of_any_size(precision: str, chunk: int) -> None:
     from app.loader import PRECISIONS, SafetensorsAssembler, compute_dtype_for
     from app.manifest import Architecture
-    from app.ranker import build_ranker
+    from app.models.ranker_mlp.network import build_ranker
     from tests.artifacts import TINY_PARAMS
 
     stored = PRECISIONS[precision]

@@ -1,0 +1,39 @@
+"""The ``ranker-mlp`` model family (the service's default): every candidate scored on its own
+from its 80 normalised features (``ranker-features-v3``) and one learned embedding per
+request-context field, through ``num_layers`` ReLU layers of width ``hidden_dim`` and a
+linear head giving one logit per candidate.
+
+This module is the family's torch-free declaration (``app.model_family.ModelFamily``); the
+network is ``app.models.ranker_mlp.network``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from app.model_family import ArchitectureSpec, ModelFamily, ParamSpec
+from app.models.ranker_mlp.features import SCHEMA
+
+RANKER_MLP: Final = "ranker-mlp"
+
+ARCHITECTURES: Final = (
+    ArchitectureSpec(
+        name=RANKER_MLP,
+        version=1,
+        params={
+            # Wide enough for multi-GB GPU checks (65536^2 * 4 B = 16 GiB per layer at fp32).
+            "hidden_dim": ParamSpec(default=64, low=1, high=65536),
+            "num_layers": ParamSpec(default=2, low=1, high=64),
+            "context_dim": ParamSpec(default=8, low=1, high=512),
+        },
+        # load_state_dict(assign=True) arrived in 2.1.
+        min_torch="2.1",
+    ),
+)
+
+FAMILY: Final = ModelFamily(
+    name=RANKER_MLP,
+    architectures=ARCHITECTURES,
+    schema=SCHEMA,
+    network_path="app.models.ranker_mlp.network:NETWORK",
+)
