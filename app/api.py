@@ -2,8 +2,9 @@
 
 The router validates a request exactly once, with the request schema of the family the app
 serves (``app.model_family.RequestSchema``, built on ``parse_body`` here); what travels on to
-the replicas is the compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n),
-which the replicas do not validate again.
+the replicas is the compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n,
+and the family's per-request ``query`` features where it has them), which the replicas do
+not validate again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 
 # A JSON number only (the request models are strict: never a string or a boolean), finite,
 # and finite once in float32. The bounds are checked in pydantic's core, not in Python (up to
-# 160k values a request); parse_rank_body words their error.
+# 160k values a request); parse_body words their error.
 Feature = Annotated[float, Field(allow_inf_nan=False, gt=-FLOAT32_OVERFLOW, lt=FLOAT32_OVERFLOW)]
 ContextValue = str | int | float
 BodyT = TypeVar("BodyT", bound=BaseModel)

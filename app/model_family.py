@@ -216,7 +216,7 @@ def import_family(path: str, where: str = "models") -> ModelFamily:
     """The ``FAMILY`` of the module at ``path``; ConfigError naming ``where``."""
     try:
         module = importlib.import_module(path)
-    except Exception as exc:  # ImportError, or the module failing at import time
+    except (Exception, SystemExit) as exc:  # ImportError, or the module failing at import
         raise ConfigError(
             f"{where}: cannot import model family {path!r} ({type(exc).__name__}: {exc})",
             field=where,
@@ -233,9 +233,9 @@ def import_family(path: str, where: str = "models") -> ModelFamily:
 class Families:
     """The families one application (or tool) serves, selected by architecture name."""
 
-    def __init__(self, families: Sequence[ModelFamily]) -> None:
+    def __init__(self, families: Sequence[ModelFamily], where: str = "models") -> None:
         if not families:
-            raise ConfigError("models: at least one model family is needed", field="models")
+            raise ConfigError(f"{where}: at least one model family is needed", field=where)
         self.families = tuple(families)
         seen: dict[tuple[str, int], str] = {}
         for family in self.families:
@@ -243,15 +243,15 @@ class Families:
                 key = (spec.name, spec.version)
                 if key in seen:
                     raise ConfigError(
-                        f"models: architecture {spec.name} v{spec.version} is declared by "
+                        f"{where}: architecture {spec.name} v{spec.version} is declared by "
                         f"both {seen[key]!r} and {family.name!r}",
-                        field="models",
+                        field=where,
                     )
                 seen[key] = family.name
 
     @classmethod
     def from_paths(cls, paths: Sequence[str], where: str = "models") -> Families:
-        return cls([import_family(p, f"{where}[{i}]") for i, p in enumerate(paths)])
+        return cls([import_family(p, f"{where}[{i}]") for i, p in enumerate(paths)], where)
 
     def schema(self, name: str | None = None) -> RequestSchema:
         """The request schema named ``name`` (None: the first family's)."""

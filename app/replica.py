@@ -215,6 +215,20 @@ class RankerReplica:
         except ConfigError as exc:
             raise ConfigError(f"user_config.{exc}", field="user_config.feature_schema") from None
 
+    @staticmethod
+    def _check_schema_change(cfg: ReplicaConfig) -> None:
+        """A config that changes the served schema must bring a target of that schema: the
+        same target would stay loaded (nothing reloads for an unchanged target) and serve
+        requests of a schema it cannot read. (A new target of a foreign schema under an
+        unchanged schema is a failed load, reported as such.)"""
+        if cfg.target is not None and cfg.target.feature_schema != cfg.feature_schema:
+            raise ConfigError(
+                f"user_config.feature_schema: {cfg.feature_schema!r}, but the target is "
+                f"{cfg.target.artifact_id} of {cfg.target.feature_schema!r} "
+                "(user_config.target.feature_schema)",
+                field="user_config.feature_schema",
+            )
+
     @property
     def has_config(self) -> bool:
         """False until the first (startup) config was applied."""
@@ -287,6 +301,8 @@ class RankerReplica:
                     field="user_config.cohort",
                 )
             self._check_families(new)
+            if old is not None and new.feature_schema != old.feature_schema:
+                self._check_schema_change(new)
             cache = self._cache_for(new)
         except ConfigError as exc:
             if old is None:

@@ -133,7 +133,16 @@ def _ranker(args: AppArgs, cohort: Role) -> Application:
     specs = {"stable": args.stable, "canary": args.canary, FALLBACK: args.fallback}
     spec = specs[cohort]
     assert spec is not None
-    config = replica_config(args, cohort, resolve_target(spec, args, cohort), spec.faults)
+    target = resolve_target(spec, args, cohort)
+    schema = served_schema(args)
+    if target is not None and target.feature_schema != schema:
+        # Refused here, naming the field, rather than by the replica's first load.
+        raise ConfigError(
+            f"args.{cohort}.target.feature_schema: {target.feature_schema!r}; the app serves "
+            f"{schema!r} (args.feature_schema)",
+            field=f"args.{cohort}.target.feature_schema",
+        )
+    config = replica_config(args, cohort, target, spec.faults)
     return Ranker.options(**_ranker_options(cohort, spec, config, args.access_log)).bind()
 
 

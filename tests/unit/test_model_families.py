@@ -321,8 +321,8 @@ def test_a_replica_serves_any_registered_family_and_refuses_another_schemas_targ
     answer = replica.rank([wire])
     assert answer.model.artifact_id == packed[family].artifact_id
     assert len(answer.rankings[0]) == 4
-    # A target of the other family's schema: refused before anything is fetched, the
-    # serving model untouched.
+    # A new target of the other family's schema: refused before anything is fetched (a
+    # failed load, reported), the serving model untouched.
     other = next(f for f in FAMILIES if f != family)
     foreign = packed[other].target(4)
     assert replica.reconfigure(
@@ -351,3 +351,39 @@ def test_a_replica_refuses_a_config_whose_family_cannot_be_imported(
 def test_replica_config_defaults_to_the_default_family() -> None:
     cfg = ReplicaConfig(cohort="stable")
     assert cfg.models == list(DEFAULT_FAMILIES) and cfg.feature_schema == DEFAULT_FEATURE_SCHEMA
+
+
+def test_a_config_that_changes_the_served_schema_under_a_loaded_target_is_refused(
+    packed: dict[str, PackResult], replica: RankerReplica, tmp_path: Path
+) -> None:
+    """The target's schema is checked with the config, not only when a target loads: the
+    same target under another served schema would leave the loaded model serving requests
+    it cannot read."""
+    good = replica_config(tmp_path, TWO_TOWER, target=packed[TWO_TOWER].target(1).model_dump())
+    assert replica.reconfigure(good)
+    switched = {**good, "feature_schema": DEFAULT_FEATURE_SCHEMA}
+    assert replica.reconfigure(switched) is False
+    err = replica.report().config_error
+    assert err is not None and err.field == "user_config.feature_schema", err
+    assert replica.schema.name == family_of(TWO_TOWER).schema.name
+    wire = replica.schema.parse(bodies(TWO_TOWER)[0]).wire
+    assert replica.rank([wire]).model.artifact_id == packed[TWO_TOWER].artifact_id
+
+
+def test_the_app_refuses_a_cohort_target_of_another_schema_naming_it(
+    packed: dict[str, PackResult],
+) -> None:
+    from deployments.app import build_app
+
+    args = {
+        "models": ["app.models.two_tower"],
+        "stable": {"target": packed[TWO_TOWER].target(1).model_dump(mode="json")},
+        "canary": {"target": packed[RANKER_MLP].target(1).model_dump(mode="json")},
+    }
+    with pytest.raises(ConfigError, match=r"args\.canary\.target\.feature_schema") as info:
+        build_app(args)
+    assert info.value.ids["field"] == "args.canary.target.feature_schema"
+    with pytest.raises(ConfigError, match=r"args\.models\[0\]: cannot import"):
+        build_app({**args, "models": ["acme.missing"]})
+    args["canary"] = {}
+    build_app(args)  # binds: nothing is deployed
