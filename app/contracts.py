@@ -673,6 +673,9 @@ class LoadTimings(Contract):
     install: Seconds | None = None
     fetched_bytes: Bytes = 0
     loaded_bytes: Bytes = 0
+    # A head's backbone that was not resident and was loaded with it (its artifact's bytes;
+    # 0: the head alone, on the resident backbone).
+    backbone_loaded_bytes: Bytes = 0
 
 
 class LoadProgress(Contract):
@@ -708,6 +711,9 @@ class MemoryFigures(Contract):
     resident_bytes: Bytes = 0
     capacity_bytes: Bytes | None = None
     load_peak_bytes: Bytes | None = None
+    # Of ``resident_bytes``, the backbone a serving head shares (0: a whole model): a head
+    # on another backbone needs that much more beside what its load alone took.
+    backbone_bytes: Bytes = 0
 
 
 class Capacity(Contract):
@@ -727,6 +733,8 @@ class InstanceReport(Contract):
     desired_artifact: Name | None = None
     actual_revision: Revision | None = None
     actual_artifact: Name | None = None
+    # The backbone artifact the serving head runs on (None: a whole model, or nothing).
+    actual_backbone: Name | None = None
     runtime_build: Annotated[str, StringConstraints(max_length=200)] | None = None
     # The latest of the last load failure and the last refused (or partly ignored) config.
     last_error: ErrorInfo | None = None
@@ -843,6 +851,7 @@ class ModelMeta(NamedTuple):
     cohort: str
     runtime_build: str
     replica: str
+    backbone: str | None = None  # the backbone artifact a head runs on
 
 
 class WireAnswer(NamedTuple):
@@ -1000,6 +1009,7 @@ class ReplicaRow(Contract):
     error: Text | None
     age_s: float
     progress: LoadProgress | None = None
+    backbone: Name | None = None  # the backbone the serving head runs on
 
 
 class CohortWindowView(Contract):

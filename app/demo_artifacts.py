@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 import safetensors.torch
@@ -23,7 +24,7 @@ from app.cache import ArtifactCache
 from app.contracts import EXPECTED_DIVERGENCE_KEY
 from app.errors import ConfigError
 from app.loader import PRECISIONS, WEIGHTS_FILES, load_verified
-from app.manifest import MANIFEST_NAME, Architecture
+from app.manifest import MANIFEST_NAME, Architecture, ArtifactKind, BackboneRef
 from app.model_family import SHIPPED_FAMILIES, families_for
 from app.models.ranker_mlp.features import FEATURE_NAMES, FEATURE_SCHEMA, NUM_FEATURES
 from app.models.ranker_mlp.network import RANKER_MLP, build_ranker
@@ -236,6 +237,8 @@ def _pack_once(
     *,
     model: str = DEMO_MODEL,
     feature_schema: str = FEATURE_SCHEMA,
+    kind: ArtifactKind = "model",
+    backbone: BackboneRef | None = None,
 ) -> PackResult:
     """Pack the source ``write_source`` writes into ``out_dir/artifact_id``. Idempotent: an
     artifact already there with the same manifest is kept; a different one is an error
@@ -251,6 +254,8 @@ def _pack_once(
             artifact_id=artifact_id,
             feature_schema=feature_schema,
             metadata=metadata,
+            kind=kind,
+            backbone=backbone,
         )
         if (final / MANIFEST_NAME).exists():
             if (final / MANIFEST_NAME).read_bytes() != (staged / MANIFEST_NAME).read_bytes():
@@ -265,6 +270,7 @@ def _pack_once(
         manifest_uri=manifest_uri_for(final),
         manifest_sha256=packed.manifest_sha256,
         feature_schema=feature_schema,
+        kind=kind,
     )
 
 
@@ -302,6 +308,107 @@ def make_two_tower_artifacts(out_dir: Path) -> list[PackResult]:
             )
         )
     return results
+
+
+SplitKind = Literal["backbone", "head"]
+
+
+def write_split_source(
+    src_dir: Path,
+    arch: Architecture,
+    *,
+    seed: int,
+    kind: SplitKind,
+    backbone_seed: int | None = None,
+) -> None:
+    """A source directory for ``rollout pack --backbone-only`` (``kind`` backbone: every
+    tensor of ``arch`` but its family's head, nothing else) or ``rollout pack --backbone``
+    (``head``: the head's tensors, the family's preprocessing and score bands), from the
+    seed's ``family_weights``. A head's input normalization is its backbone's (the one the
+    frozen backbone was trained with: ``backbone_seed``, default the head's own seed)."""
+    family, spec = families_for(SHIPPED_FAMILIES).resolve(arch)
+    if not family.splits:
+        raise ConfigError(f"architecture: family {family.name} has no head to split off")
+    params = spec.validate(arch)
+    names = TWO_TOWER_FEATURE_NAMES if family.name == TWO_TOWER else FEATURE_NAMES
+    weights = {
+        k: t
+        for k, t in family_weights(arch, seed=seed).items()
+        if family.is_head_key(k, params) == (kind == "head")
+    }
+    write_family_source(
+        src_dir,
+        arch,
+        seed=seed,
+        feature_names=names,
+        schema=family.schema.name,
+        weights=weights,
+        normalization=normalization_doc(
+            seed if backbone_seed is None else backbone_seed, names, family.schema.name
+        ),
+    )
+    if kind == "backbone":  # its heads carry the preprocessing and score bands
+        (Path(src_dir) / NORMALIZATION_FILE).unlink()
+        (Path(src_dir) / LABEL_MAPPING_FILE).unlink()
+
+
+@dataclass(frozen=True)
+class SplitArtifacts:
+    """A backbone artifact and the heads packed on it."""
+
+    backbone: PackResult
+    heads: tuple[PackResult, ...]
+
+    @property
+    def ref(self) -> BackboneRef:
+        return BackboneRef(
+            artifact_id=self.backbone.artifact_id, manifest_sha256=self.backbone.manifest_sha256
+        )
+
+
+def pack_split_artifacts(
+    out_dir: Path,
+    arch: Architecture,
+    *,
+    backbone_id: str,
+    backbone_seed: int,
+    heads: Sequence[tuple[str, int]],
+    model: str = DEMO_MODEL,
+) -> SplitArtifacts:
+    """A ``backbone`` artifact of ``arch`` (every tensor but its family's head, from
+    ``backbone_seed``) and, for each ``(head_id, head_seed)``, a ``head`` artifact pinning
+    it: the head's tensors from ``head_seed``, with the family's preprocessing and score
+    bands. A head whose seed is the backbone's makes, with it, exactly the whole model of
+    that seed. Idempotent like ``make_demo_artifacts``."""
+    schema = families_for(SHIPPED_FAMILIES).resolve(arch)[0].schema.name
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(src: Path, seed: int, kind: SplitKind) -> None:
+        write_split_source(src, arch, seed=seed, kind=kind, backbone_seed=backbone_seed)
+
+    backbone = _pack_once(
+        out_dir,
+        backbone_id,
+        lambda src: write(src, backbone_seed, "backbone"),
+        model=model,
+        feature_schema=schema,
+        kind="backbone",
+    )
+    ref = BackboneRef(artifact_id=backbone_id, manifest_sha256=backbone.manifest_sha256)
+    packed = tuple(
+        _pack_once(
+            out_dir,
+            head_id,
+            lambda src, seed=seed: write(src, seed, "head"),
+            model=model,
+            feature_schema=schema,
+            kind="head",
+            backbone=ref,
+        )
+        for head_id, seed in heads
+    )
+    return SplitArtifacts(backbone, packed)
 
 
 DEMO_ARTIFACT_IDS: Final[tuple[str, ...]] = tuple(

@@ -43,6 +43,7 @@ REJECTION_CATEGORIES: Final = (
     "load",
     "dry_run",
     "budget",
+    "backbone",
 )
 
 

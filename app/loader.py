@@ -20,15 +20,17 @@ bytes read.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
 import math
 import struct
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import torch
@@ -39,9 +41,16 @@ from torch import nn
 from app.contracts import WireRequest
 from app.errors import ArtifactRejected
 from app.load_control import LoadCancelled, LoadControl, begin, checkpoint
-from app.manifest import Manifest
+from app.manifest import Architecture, BackboneRef, Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
-from app.model_family import SHIPPED_FAMILIES, Families, ModelFamily, NetworkMemory, families_for
+from app.model_family import (
+    SHIPPED_FAMILIES,
+    Families,
+    ModelFamily,
+    NetworkMemory,
+    SplitForward,
+    families_for,
+)
 from app.preprocessing import LABEL_MAPPING_FILE, LabelMapping, RankedCandidate, rank_from_logits
 
 if TYPE_CHECKING:
@@ -67,6 +76,10 @@ ZIP_FLAG_ENCRYPTED: Final = 0x1
 CHUNK_BYTES: Final = 8 << 20
 # A fetch reads each file into two such buffers (app.cache), a cache hit into one.
 READ_BUFFERS: Final = 2
+# What a resident backbone keeps of its dry-run outputs for the next head's dry run.
+DRY_RUN_FEATURE_CACHE_BYTES: Final = 64 << 20
+
+Shapes = dict[str, tuple[int, ...]]
 
 
 def default_device() -> torch.device:
@@ -141,7 +154,24 @@ def check_compatibility(manifest: Manifest, families: Families | None = None) ->
         raise ArtifactRejected(
             "runtime", f"cannot read torch version: {exc}", artifact_id=aid
         ) from None
+    if manifest.kind != "model" and not family.splits:
+        raise ArtifactRejected(
+            "runtime",
+            f"family {family.name} loads whole models only: it has no head to split off "
+            f"(artifact kind {manifest.kind})",
+            artifact_id=aid,
+        )
     listed = {f.path for f in manifest.files}
+    if manifest.kind == "backbone":
+        # Never served alone: the preprocessing and score bands are its heads'.
+        if WEIGHTS_FILES[manifest.runtime] not in listed:
+            raise ArtifactRejected(
+                "schema",
+                f"runtime {manifest.runtime} needs {WEIGHTS_FILES[manifest.runtime]!r} in the "
+                "artifact",
+                artifact_id=aid,
+            )
+        return family
     for needed in (WEIGHTS_FILES[manifest.runtime], LABEL_MAPPING_FILE):
         if needed not in listed:
             raise ArtifactRejected(
@@ -171,15 +201,29 @@ def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return stored
 
 
+def artifact_shapes(
+    model: nn.Module, family: ModelFamily, params: Mapping[str, int], kind: str
+) -> Shapes:
+    """The tensors an artifact of ``kind`` holds for ``model`` (built on the meta device
+    from ``params``): all of them (``model``), the family's head (``head``) or all but the
+    head (``backbone``)."""
+    shapes = _expected_shapes(model)
+    if kind == "model":
+        return shapes
+    want_head = kind == "head"
+    return {k: v for k, v in shapes.items() if family.is_head_key(k, params) == want_head}
+
+
 def _deserialize_torch(
-    data: bytes | bytearray, model: nn.Module, precision: str
+    data: bytes | bytearray, expected: Shapes, precision: str
 ) -> dict[str, torch.Tensor]:
     """The state dict in a verified ``weights.pt``, with what it declares checked against
-    ``model`` (on the meta device) before a single tensor is read: its bytes can then cost no
-    more than the file and the architecture say. The pickle format needs the whole file."""
+    ``expected`` (the architecture's tensors) before a single tensor is read: its bytes can
+    then cost no more than the file and the architecture say. The pickle format needs the
+    whole file."""
     name = WEIGHTS_FILES["pytorch-state-dict"]
     _check_zip_records(data)
-    _check_declared(_load_torch(data, "meta"), model, precision, name)
+    _check_declared(_load_torch(data, "meta"), expected, precision, name)
     state = _load_torch(data, "cpu")
     _check_flat(state, name)
     for key, tensor in state.items():
@@ -215,9 +259,12 @@ class SafetensorsAssembler:
         precision: str,
         device: torch.device,
         compute_dtype: torch.dtype,
+        *,
+        expected: Shapes | None = None,
     ) -> None:
         self._size = file_bytes
-        self._model = model
+        # The tensors the file must hold (default: every tensor of ``model``).
+        self._expected = expected if expected is not None else _expected_shapes(model)
         self._precision = precision
         self._stored = PRECISIONS[precision]
         self._device = device
@@ -257,6 +304,45 @@ class SafetensorsAssembler:
     def _fail(self, error: ArtifactRejected) -> None:
         self._error = error
         self._state = {}  # the tensors go now, not when the reader is done
+
+    def destination(self, limit: int) -> memoryview | None:
+        """Where the next (up to ``limit``) bytes go when they can be read straight into
+        their tensor's memory (CPU, same dtype, inside a tensor): the reader reads into this
+        view and calls ``placed``, with no staging copy. None: feed them instead (the
+        header, padding, a converting load, a failed one)."""
+        if self._error is not None or not self._direct or not self._header_read:
+            return None
+        if self._next_span == len(self._spans):
+            return None
+        start, end, key = self._spans[self._next_span]
+        if self._at < start or self._at >= end:
+            return None
+        offset = self._at - start
+        n = min(end - self._at, limit)
+        flat = self._state[key].view(-1)
+        return memoryview(flat.view(torch.uint8).numpy())[offset : offset + n]
+
+    def wanted(self, left: int) -> int:
+        """How many of the ``left`` next bytes to ``feed`` in one piece when ``destination``
+        gives no view: the rest of the length or header, the padding before the next tensor,
+        else a chunk."""
+        if self._error is None and not self._header_read:
+            preamble = 8 if self._header_len is None else 8 + self._header_len
+            return max(1, min(preamble - len(self._preamble), left, CHUNK_BYTES))
+        if self._error is None and self._direct and self._next_span < len(self._spans):
+            start = self._spans[self._next_span][0]
+            if self._at < start:
+                return min(start - self._at, left, CHUNK_BYTES)
+        return min(CHUNK_BYTES, left)
+
+    def placed(self, n: int) -> None:
+        """``n`` bytes were read into the view ``destination`` gave."""
+        self.fed += n
+        self._at += n
+        _, end, _ = self._spans[self._next_span]
+        if self._at == end:
+            self._next_span += 1
+            self._elements_done = 0
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors, once all bytes were fed and found to be the verified ones."""
@@ -314,14 +400,13 @@ class SafetensorsAssembler:
         if self._header_len is not None and len(self._preamble) == 8 + self._header_len:
             self._payload = self._size - 8 - self._header_len
             self._spans = _check_safetensors_header(
-                bytes(self._preamble[8:]), self._payload, self._model, self._precision
+                bytes(self._preamble[8:]), self._payload, self._expected, self._precision
             )
             self._preamble = bytearray()
             self._header_read = True
-            shapes = _expected_shapes(self._model)
             self._state = {
-                key: torch.empty(shapes[key], dtype=self._compute, device=self._device)
-                for key in shapes
+                key: torch.empty(shape, dtype=self._compute, device=self._device)
+                for key, shape in self._expected.items()
             }
         return chunk[n:]
 
@@ -429,13 +514,13 @@ def _check_zip_records(data: bytes | bytearray) -> None:
             raise _unreadable(name, f"records {first!r} and {second!r} overlap")
 
 
-def _check_declared(state: object, model: nn.Module, precision: str, name: str) -> None:
+def _check_declared(state: object, expected: Shapes, precision: str, name: str) -> None:
     """What a torch state dict declares (read on the meta device), before its data is read:
     the architecture's keys, shapes and dtype, and no more storage than the parameters need
     (a tensor viewing a larger storage would keep all of it alive in the model)."""
     _check_flat(state, name)
     assert isinstance(state, dict)
-    _check_state(state, model, precision)
+    _check_state(state, expected, precision)
     declared = sum(t.untyped_storage().nbytes() for t in state.values())
     needed = sum(t.numel() * t.element_size() for t in state.values())
     if declared > needed:
@@ -447,7 +532,7 @@ def _check_declared(state: object, model: nn.Module, precision: str, name: str) 
 
 
 def _check_safetensors_header(
-    header_bytes: bytes, payload: int, model: nn.Module, precision: str
+    header_bytes: bytes, payload: int, expected: Shapes, precision: str
 ) -> list[tuple[int, int, str]]:
     """The safetensors header (its JSON, after the 8-byte length) against the architecture
     and the file, before a tensor is read: the right keys, dtype and shapes, and byte ranges
@@ -461,7 +546,6 @@ def _check_safetensors_header(
     if not isinstance(header, dict):
         raise _unreadable(name, "header is not a JSON object")
     header.pop("__metadata__", None)
-    expected = _expected_shapes(model)
     _check_keys(expected, header, f"{name} header: ")
     dtype_tag = SAFETENSORS_DTYPES[precision]
     itemsize = PRECISIONS[precision].itemsize
@@ -511,7 +595,7 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(model: nn.Module) -> Shapes:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -528,8 +612,7 @@ def _check_keys(expected: Mapping[str, object], got: Mapping[str, object], where
         )
 
 
-def _check_state(state: dict[str, torch.Tensor], model: nn.Module, precision: str) -> None:
-    expected = _expected_shapes(model)
+def _check_state(state: dict[str, torch.Tensor], expected: Shapes, precision: str) -> None:
     _check_keys(expected, state, "")
     dtype = PRECISIONS[precision]
     for key, shape in expected.items():
@@ -562,6 +645,7 @@ class LoadedModel:
         preprocessing: Any,
         labels: LabelMapping,
         memory: MemoryEstimate | None,
+        backbone: ResidentBackbone | None = None,
     ) -> None:
         self.manifest = manifest
         self.artifact_id = manifest.artifact_id
@@ -571,7 +655,12 @@ class LoadedModel:
         self.runtime_build = runtime_build()
         self.family = family
         self.params: Mapping[str, int] = dict(params)
+        # Everything the model reads, its backbone included (counted once, however many
+        # heads share it); ``own_bytes`` is what this model alone added.
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # A head's backbone: a use of it held until ``close``.
+        self.backbone = backbone
+        self.own_bytes = self.param_bytes - (backbone.nbytes if backbone is not None else 0)
         self.preprocessing = preprocessing  # the family's, from the artifact's files
         self.labels = labels
         self.memory = memory
@@ -590,6 +679,24 @@ class LoadedModel:
                 for name, array in enc.arrays.items()
             }
             return self.family.network.forward(model, batch), enc.offsets
+
+    def _dry_run_logits(self, requests: Sequence[WireRequest]) -> tuple[torch.Tensor, np.ndarray]:
+        """``_logits`` for the dry run: a head on a resident backbone computes only its own
+        half over what the backbone computed for the same inputs (the first head on it
+        computes both; ``ResidentBackbone.features``)."""
+        backbone, model = self.backbone, self._model
+        network = self.family.network
+        if backbone is None or model is None or not isinstance(network, SplitForward):
+            return self._logits(requests)
+        enc = self.family.schema.encode(requests, self.preprocessing)
+        key = _inputs_key(enc.arrays)
+        with torch.inference_mode():
+            batch = {
+                name: torch.from_numpy(array).to(self.device, non_blocking=True)
+                for name, array in enc.arrays.items()
+            }
+            features = backbone.features(key, lambda: network.backbone_forward(model, batch))
+            return network.head_forward(model, features), enc.offsets
 
     def rank_batch(self, requests: Sequence[WireRequest]) -> list[list[RankedCandidate]]:
         """One forward for all candidates of all (already validated) requests."""
@@ -610,6 +717,9 @@ class LoadedModel:
 
     def close(self) -> None:
         self._model = None
+        backbone, self.backbone = self.backbone, None
+        if backbone is not None:
+            backbone.release()  # freed with its last user
         if self.device.type == "cuda":
             # Hands the freed blocks back so a following candidate (and mem_get_info) sees them.
             torch.cuda.empty_cache()
@@ -627,13 +737,13 @@ class LoadedModel:
 
         def score(requests: Sequence[WireRequest]) -> list[np.ndarray]:
             checkpoint(control)
-            logits, offsets = self._logits(requests)
+            logits, offsets = self._dry_run_logits(requests)
             scores = _sigmoid(logits.float().cpu().numpy())
             return [scores[offsets[i] : offsets[i + 1]] for i in range(len(requests))]
 
         for batch in network.representative_batches(self.preprocessing):
             checkpoint(control)
-            logits, offsets = self._logits(batch)
+            logits, offsets = self._dry_run_logits(batch)
             rows = int(offsets[-1])
             if tuple(logits.shape) != (rows,):
                 raise ArtifactRejected(
@@ -657,7 +767,7 @@ class LoadedModel:
                 in_batch = _sigmoid(host)
                 for i, req in enumerate(batch):
                     checkpoint(control)
-                    alone_logits, _ = self._logits([req])
+                    alone_logits, _ = self._dry_run_logits([req])
                     alone = _sigmoid(alone_logits.float().cpu().numpy())
                     diff = float(np.max(np.abs(alone - in_batch[offsets[i] : offsets[i + 1]])))
                     if not diff <= tol:
@@ -674,6 +784,16 @@ class LoadedModel:
         if self.device.type == "cuda":
             # Warm-up is complete only when the queued kernels have run; not on the request path.
             torch.cuda.synchronize(self.device)
+
+
+def _inputs_key(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """A digest of a forward's encoded inputs: names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.digest()
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -698,6 +818,120 @@ def _check_ranking(req: WireRequest, answer: list[RankedCandidate], labels: Labe
         raise ArtifactRejected("dry_run", "a result carries an unknown label")
 
 
+class ResidentBackbone:
+    """A backbone artifact's tensors on a device, shared read-only by every head model built
+    on it: their parameters *are* these tensors (the same storage), so a head swap adds only
+    the head's bytes and requests on the old head finish on the same backbone.
+
+    Counted: each model built on it holds one use (``acquire``/``release``); when the last
+    use is released the tensors are dropped and ``on_free`` runs (the holder's bookkeeping:
+    forgetting it, releasing the cache lease of its bytes). A backbone that was freed is
+    never handed out again (``acquire`` raises ``BackboneFreed``). Nothing may write it: each
+    tensor's version counter is recorded when it is loaded and ``check_untouched`` refuses a
+    head whose dry run changed one."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        manifest_sha256: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        on_free: Callable[[ResidentBackbone], None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.artifact_id = manifest.artifact_id
+        self.manifest_sha256 = manifest_sha256
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.timings: dict[str, float] = {}
+        self.loaded_bytes = 0
+        self._tensors = tensors
+        self._versions = {k: t._version for k, t in tensors.items()}
+        self._on_free = on_free
+        self._uses = 0
+        self._lock = threading.Lock()
+        self.freed = False
+        # What the backbone computed for dry-run inputs (by their digest), so the next head's
+        # dry run computes only its own half: the inputs and these tensors decide the output
+        # alone, and the tensors are never written (check_untouched).
+        self._features: dict[bytes, torch.Tensor] = {}
+        self.feature_bytes = 0
+
+    def matches(self, ref: BackboneRef) -> bool:
+        return (self.artifact_id, self.manifest_sha256) == (ref.artifact_id, ref.manifest_sha256)
+
+    @property
+    def uses(self) -> int:
+        with self._lock:
+            return self._uses
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self.freed:
+            raise BackboneFreed(self.artifact_id)
+        return self._tensors
+
+    def acquire(self) -> ResidentBackbone:
+        with self._lock:
+            if self.freed:
+                raise BackboneFreed(self.artifact_id)
+            self._uses += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            if self._uses <= 0:
+                raise AssertionError(f"backbone {self.artifact_id} released more than acquired")
+            self._uses -= 1
+            if self._uses or self.freed:
+                return
+            self.freed = True
+            self._tensors = {}
+            self._features = {}
+            self.feature_bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self._on_free is not None:
+            self._on_free(self)
+
+    def features(self, key: bytes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The backbone's output for the dry-run input ``key`` names, computed once and
+        kept while it fits in ``DRY_RUN_FEATURE_CACHE_BYTES``."""
+        with self._lock:
+            found = self._features.get(key)
+        if found is not None:
+            return found
+        computed = compute()
+        size = computed.numel() * computed.element_size()
+        with self._lock:
+            if not self.freed and self.feature_bytes + size <= DRY_RUN_FEATURE_CACHE_BYTES:
+                self._features[key] = computed
+                self.feature_bytes += size
+        return computed
+
+    def check_untouched(self) -> None:
+        for key, tensor in self.tensors.items():
+            if tensor._version != self._versions[key]:
+                raise ArtifactRejected(
+                    "dry_run",
+                    f"the forward wrote {key} of the shared backbone {self.artifact_id} "
+                    "(backbone tensors are read-only: every head and in-flight request "
+                    "reads them)",
+                )
+
+
+class BackboneFreed(RuntimeError):
+    """The backbone's last user released it: load it again."""
+
+
+# A head's backbone: an acquired ResidentBackbone for the head's manifest (its pinned
+# ``backbone``), or ArtifactRejected("backbone").
+BackboneSource = Callable[[Manifest], ResidentBackbone]
+
+
 class CandidateLoad:
     """One candidate's load, from its manifest to a model: what the service can serve and
     the memory budget are checked before a single weights byte is read (``start``), then
@@ -706,7 +940,12 @@ class CandidateLoad:
     It is the cache's fetch sink (``app.cache.FetchSink``): on a cold fetch the cache calls
     ``start`` once the manifest is verified and feeds the weights file's bytes as it hashes
     them on their way into the cache, so they are read and hashed once in all; on a hit
-    nothing is fed, and ``load_verified`` reads the entry once instead."""
+    nothing is fed, and ``load_verified`` reads the entry once instead.
+
+    ``role``: ``serve`` loads a servable artifact (a whole ``model``, or a ``head`` on the
+    backbone ``backbones`` hands out); ``backbone`` loads a ``backbone`` artifact for heads
+    (``load_backbone``). A candidate that will not be loaded after ``start`` must be
+    ``abandon``ed (it may hold a use of a backbone)."""
 
     def __init__(
         self,
@@ -716,50 +955,135 @@ class CandidateLoad:
         resident_bytes: int = 0,
         expect: Callable[[Manifest], None] | None = None,
         families: Families | None = None,
+        backbones: BackboneSource | None = None,
+        role: Literal["serve", "backbone"] = "serve",
     ) -> None:
         self.device = device or default_device()
         self.families = families or families_for(SHIPPED_FAMILIES)
         self.expect = expect  # the caller's own checks of the manifest, run first
         self.budget = budget
         self.resident_bytes = resident_bytes
+        self.backbones = backbones
+        self.role = role
         self.manifest: Manifest | None = None
         self.memory: MemoryEstimate | None = None
         self.compute_dtype = torch.float32
         self.model: nn.Module | None = None
         self.family: ModelFamily | None = None
         self.params: dict[str, int] = {}
+        self.expected: Shapes = {}
         self.assembler: SafetensorsAssembler | None = None
+        self.backbone: ResidentBackbone | None = None  # a use held for the head's model
 
     def start(self, manifest: Manifest) -> dict[str, Callable[[memoryview], None]]:
         """Checks, budget, the model on the meta device; the consumer of the weights' bytes
         (none for the pickle format, which needs the whole file)."""
         if self.expect is not None:
             self.expect(manifest)
+        self._check_kind(manifest)
         family = check_compatibility(manifest, self.families)
         _, spec = self.families.resolve(manifest.architecture)
         params = spec.validate(manifest.architecture)
         self.compute_dtype = compute_dtype_for(manifest.precision, self.device)
+        with torch.device("meta"):  # nothing allocated, nothing initialised
+            model = family.network.build(params)
+        expected = artifact_shapes(model, family, params, manifest.kind)
+        resident = self.resident_bytes
+        if manifest.kind == "head":
+            self.backbone = self._backbone_for(manifest, family)
+            if self.backbone.uses == 1:
+                # Loaded for this head alone (no serving model shares it): it is resident
+                # beside the serving model now, and the head comes on top of both.
+                resident += self.backbone.nbytes
         if self.budget is not None:
             self.memory = _memory_estimate(
-                manifest, family.network.memory(params), self.device, self.compute_dtype,
-                self.budget, self.resident_bytes,
+                manifest, family.network.memory(params), expected, self.device,
+                self.compute_dtype, self.budget, resident,
             )  # fmt: skip
-            check_budget(self.memory)
+            try:
+                check_budget(self.memory)
+            except ArtifactRejected:
+                self.abandon()
+                raise
         self.manifest = manifest
-        self.family, self.params = family, params
-        with torch.device("meta"):  # nothing allocated, nothing initialised
-            self.model = family.network.build(params)
+        self.family, self.params, self.model, self.expected = family, params, model, expected
         if manifest.runtime != "safetensors":
             return {}
         weights = WEIGHTS_FILES["safetensors"]
         self.assembler = SafetensorsAssembler(
             manifest.file(weights).bytes,
-            self.model,
+            model,
             manifest.precision,
             self.device,
             self.compute_dtype,
+            expected=expected,
         )
         return {weights: self.assembler.feed}
+
+    def _check_kind(self, manifest: Manifest) -> None:
+        aid = manifest.artifact_id
+        if self.role == "backbone" and manifest.kind != "backbone":
+            raise ArtifactRejected(
+                "backbone", f"a backbone was expected, the artifact is a {manifest.kind}",
+                artifact_id=aid,
+            )  # fmt: skip
+        if self.role == "serve" and manifest.kind == "backbone":
+            raise ArtifactRejected(
+                "backbone",
+                "a backbone is never served alone: target one of its heads",
+                artifact_id=aid,
+            )
+
+    def _backbone_for(self, manifest: Manifest, family: ModelFamily) -> ResidentBackbone:
+        ref = manifest.backbone
+        assert ref is not None  # a head's manifest names its backbone
+        aid = manifest.artifact_id
+        if self.backbones is None:
+            raise ArtifactRejected(
+                "backbone",
+                f"head needs backbone {ref.artifact_id} ({ref.manifest_sha256[:12]}); none "
+                "can be loaded here",
+                artifact_id=aid,
+            )
+        backbone = self.backbones(manifest)
+        try:
+            if not backbone.matches(ref):
+                raise ArtifactRejected(
+                    "backbone",
+                    f"head pins backbone {ref.artifact_id} ({ref.manifest_sha256[:12]}), "
+                    f"got {backbone.artifact_id} ({backbone.manifest_sha256[:12]})",
+                    artifact_id=aid,
+                )
+            theirs = backbone.manifest
+            for what, mine, other in (
+                ("architecture", manifest.architecture, theirs.architecture),
+                ("precision", manifest.precision, theirs.precision),
+                ("feature_schema", manifest.feature_schema, theirs.feature_schema),
+            ):
+                if mine != other:
+                    raise ArtifactRejected(
+                        "backbone",
+                        f"head's {what} {_shown(mine)} differs from its backbone "
+                        f"{backbone.artifact_id}'s {_shown(other)}",
+                        artifact_id=aid,
+                    )
+            if backbone.device != self.device:
+                raise ArtifactRejected(
+                    "backbone",
+                    f"backbone {backbone.artifact_id} is on {backbone.device}, the head "
+                    f"loads on {self.device}",
+                    artifact_id=aid,
+                )
+        except ArtifactRejected:
+            backbone.release()
+            raise
+        return backbone
+
+    def abandon(self) -> None:
+        """Give back what ``start`` took (the head's use of its backbone)."""
+        backbone, self.backbone = self.backbone, None
+        if backbone is not None:
+            backbone.release()
 
     @property
     def fed(self) -> bool:
@@ -767,9 +1091,16 @@ class CandidateLoad:
         return self.assembler is not None and self.assembler.fed > 0
 
 
+def _shown(value: object) -> str:
+    if isinstance(value, Architecture):
+        return f"{value.name} v{value.version} {dict(sorted(value.params.items()))}"
+    return repr(value)
+
+
 def _memory_estimate(
     manifest: Manifest,
     network: NetworkMemory,
+    expected: Shapes,
     device: torch.device,
     compute_dtype: torch.dtype,
     budget: MemoryBudget,
@@ -777,6 +1108,11 @@ def _memory_estimate(
 ) -> MemoryEstimate:
     stored = PRECISIONS[manifest.precision]
     n = network.param_count
+    largest = network.largest_tensor
+    if manifest.kind != "model":
+        # Only the tensors this artifact holds are allocated (a head's backbone is resident).
+        sizes = [math.prod(shape) for shape in expected.values()]
+        n, largest = sum(sizes), max(sizes, default=0)
     weight_bytes = n * compute_dtype.itemsize
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if manifest.runtime == "safetensors":
@@ -791,8 +1127,10 @@ def _memory_estimate(
         temporaries = file_bytes + (n * stored.itemsize if stored != compute_dtype else 0)
     else:
         # Tensors move to the device one at a time; the largest is the transient excess.
-        temporaries = network.largest_tensor * compute_dtype.itemsize
-    workspace = DRY_RUN_MAX_ROWS * network.workspace_per_row * compute_dtype.itemsize
+        temporaries = largest * compute_dtype.itemsize
+    # A backbone is not run alone: its heads' dry runs take the workspace.
+    rows = 0 if manifest.kind == "backbone" else DRY_RUN_MAX_ROWS
+    workspace = rows * network.workspace_per_row * compute_dtype.itemsize
     return estimate_peak(
         budget,
         device=device,
@@ -811,17 +1149,118 @@ def _read_into(
     control: LoadControl | None,
 ) -> None:
     """The cache entry's ``rel`` read once, chunk by chunk, each chunk hashed as it is read
-    (app.cache.VerifiedStream) and handed to ``assembler``; the digest decides at the end."""
-    # Pinned for a GPU: the copy to the device is a DMA from it. The assembler has copied a
-    # chunk out before the next is read into the same buffer.
-    buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    whole = memoryview(buffer.numpy())
+    (app.cache.VerifiedStream) and handed to ``assembler``; the digest decides at the end.
+    Where the assembler can take them in place (CPU, same dtype) the bytes are read straight
+    into their tensor's memory; the rest (the header, padding, converting loads) goes
+    through a staging buffer no larger than the assembler asks for (a chunk at most)."""
+    staging: memoryview | None = None
     with artifact.open_stream(rel, control) as stream:
         while stream.position < stream.size:
-            view = whole[: min(CHUNK_BYTES, stream.size - stream.position)]
+            left = stream.size - stream.position
+            target = assembler.destination(min(CHUNK_BYTES, left))
+            if target is not None:
+                stream.readinto(target)
+                assembler.placed(len(target))
+                continue
+            wanted = assembler.wanted(left)
+            if staging is None or len(staging) < wanted:
+                # Pinned for a GPU: the copy to the device is a DMA from it. The assembler
+                # has copied a chunk out before the next is read into the same buffer.
+                buffer = torch.empty(wanted, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                staging = memoryview(buffer.numpy())
+            view = staging[:wanted]
             stream.readinto(view)
             assembler.feed(view)
         stream.finish()
+
+
+def _prepare(
+    artifact: VerifiedArtifact, prepared: CandidateLoad | None, make: Callable[[], CandidateLoad]
+) -> CandidateLoad:
+    load = prepared or make()
+    if load.manifest is None:
+        load.start(artifact.manifest)
+    elif load.manifest != artifact.manifest:
+        raise ValueError("the prepared load is for another manifest")
+    return load
+
+
+def _read_weights(
+    artifact: VerifiedArtifact, load: CandidateLoad, control: LoadControl | None
+) -> dict[str, torch.Tensor]:
+    """The artifact's tensors, checked against what its kind must hold (read here unless
+    the fetch fed them)."""
+    manifest = artifact.manifest
+    weights_file = WEIGHTS_FILES[manifest.runtime]
+    if load.assembler is not None:
+        if not load.fed:
+            _read_into(artifact, weights_file, load.assembler, load.device, control)
+        return load.assembler.state()
+    state = _deserialize_torch(
+        artifact.read_verified(weights_file, control), load.expected, manifest.precision
+    )
+    _check_state(state, load.expected, manifest.precision)
+    return state
+
+
+def load_backbone(
+    artifact: VerifiedArtifact,
+    *,
+    device: torch.device | None = None,
+    budget: MemoryBudget | None = None,
+    resident_bytes: int = 0,
+    control: LoadControl | None = None,
+    prepared: CandidateLoad | None = None,
+    families: Families | None = None,
+    on_free: Callable[[ResidentBackbone], None] | None = None,
+) -> ResidentBackbone:
+    """A ``backbone`` artifact's tensors, strictly checked against its architecture (every
+    tensor but the family's head) and placed on the device in the compute dtype, with no use
+    yet. It is not dry-run alone: each head's dry run runs it. ArtifactRejected on failure."""
+    manifest = artifact.manifest
+    t0 = time.perf_counter()
+    try:
+        load = _prepare(
+            artifact,
+            prepared,
+            lambda: CandidateLoad(
+                device=device,
+                budget=budget,
+                resident_bytes=resident_bytes,
+                families=families,
+                role="backbone",
+            ),
+        )
+        if load.role != "backbone":
+            raise ValueError("a backbone is loaded by a CandidateLoad of role 'backbone'")
+        weights_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
+        read_here = 0 if load.fed else weights_bytes
+        begin(control, "load", read_here)
+        state = _read_weights(artifact, load, control)
+        checkpoint(control)
+        tensors = {
+            key: t.to(device=load.device, dtype=load.compute_dtype).requires_grad_(False)
+            for key, t in state.items()
+        }
+        del state
+        load.model = None  # only the backbone's tensors are kept, not the meta module
+        backbone = ResidentBackbone(
+            manifest,
+            artifact.manifest_sha256,
+            tensors,
+            device=load.device,
+            compute_dtype=load.compute_dtype,
+            on_free=on_free,
+        )
+        backbone.timings["load"] = time.perf_counter() - t0
+        backbone.loaded_bytes = read_here
+        return backbone
+    except ArtifactRejected as exc:
+        if exc.artifact_id is None:
+            raise ArtifactRejected(
+                exc.category, exc.detail, artifact_id=manifest.artifact_id
+            ) from None
+        raise
 
 
 def load_verified(
@@ -833,24 +1272,35 @@ def load_verified(
     control: LoadControl | None = None,
     prepared: CandidateLoad | None = None,
     families: Families | None = None,
+    backbones: BackboneSource | None = None,
 ) -> LoadedModel:
     """Build, strictly load and dry-run the artifact; ArtifactRejected on any failure.
     ``control`` paces, counts (stage ``load``) and can cancel a background load
     (app.load_control): each chunk read and hashed, each dry-run forward. ``prepared``: the
     load that was the fetch's sink (its checks done; its weights fed if the fetch was cold);
-    without it one is made here, with ``device``, ``budget``, ``resident_bytes`` and
-    ``families`` (default: every family the service ships)."""
+    without it one is made here, with ``device``, ``budget``, ``resident_bytes``,
+    ``families`` (default: every family the service ships) and ``backbones`` (where a head
+    finds its backbone).
+
+    A ``head`` is loaded on its backbone: the model's backbone parameters are the resident
+    backbone's tensors (the same storage, not a copy), only the head's tensors are read and
+    placed, and the dry run runs backbone and new head together."""
     manifest = artifact.manifest
     aid = manifest.artifact_id
     t0 = time.perf_counter()
+    load: CandidateLoad | None = prepared
     try:
-        load = prepared or CandidateLoad(
-            device=device, budget=budget, resident_bytes=resident_bytes, families=families
+        load = _prepare(
+            artifact,
+            prepared,
+            lambda: CandidateLoad(
+                device=device,
+                budget=budget,
+                resident_bytes=resident_bytes,
+                families=families,
+                backbones=backbones,
+            ),
         )
-        if load.manifest is None:
-            load.start(manifest)
-        elif load.manifest != manifest:
-            raise ValueError("the prepared load is for another manifest")
         model, device, compute_dtype = load.model, load.device, load.compute_dtype
         family = load.family
         assert model is not None and family is not None
@@ -866,22 +1316,18 @@ def load_verified(
         labels = LabelMapping.from_json(
             artifact.read_verified(LABEL_MAPPING_FILE, control), family.schema.name
         )
-        if load.assembler is not None:
-            if read_here > small:
-                _read_into(artifact, weights_file, load.assembler, device, control)
-            state = load.assembler.state()
-        else:
-            state = _deserialize_torch(
-                artifact.read_verified(weights_file, control), model, manifest.precision
-            )
-            _check_state(state, model, manifest.precision)
+        state = _read_weights(artifact, load, control)
+        backbone = load.backbone
+        if backbone is not None:
+            state.update(backbone.tensors)  # shared, not copied: assign=True keeps storage
         checkpoint(control)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:
             raise ArtifactRejected("load", f"load_state_dict: {exc}") from None
         del state
-        # A no-op for streamed tensors (already on ``device`` in the compute dtype).
+        # A no-op for streamed tensors and a backbone's (already on ``device`` in the
+        # compute dtype).
         model.to(device=device, dtype=compute_dtype).eval().requires_grad_(False)
         loaded = LoadedModel(
             manifest=manifest,
@@ -893,11 +1339,15 @@ def load_verified(
             preprocessing=preprocessing,
             labels=labels,
             memory=load.memory,
+            backbone=backbone,
         )
         load.model = None  # the loaded model owns it now
+        load.backbone = None  # and the use of the backbone
         t1 = time.perf_counter()
         try:
             loaded.dry_run(control)
+            if backbone is not None:
+                backbone.check_untouched()
         except (ArtifactRejected, LoadCancelled):  # a cancel is not a failed dry run
             loaded.close()
             raise
@@ -908,6 +1358,12 @@ def load_verified(
         loaded.loaded_bytes = read_here
         return loaded
     except ArtifactRejected as exc:
+        if load is not None:
+            load.abandon()
         if exc.artifact_id is None:
             raise ArtifactRejected(exc.category, exc.detail, artifact_id=aid) from None
+        raise
+    except BaseException:
+        if load is not None:
+            load.abandon()
         raise

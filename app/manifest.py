@@ -12,9 +12,16 @@ import json
 import math
 import posixpath
 import unicodedata
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.errors import ArtifactRejected
 
@@ -80,22 +87,63 @@ class Architecture(BaseModel):
     params: dict[str, int | float | str | bool] = Field(default_factory=dict)
 
 
+ArtifactKind = Literal["model", "backbone", "head"]
+_ARTIFACT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class BackboneRef(BaseModel):
+    """The backbone a head artifact was trained on, pinned like a target pins an artifact.
+    The backbone's manifest lies beside the head's in the same store
+    (``<store>/<artifact_id>/manifest.json``, see ``backbone_manifest_uri``)."""
+
+    model_config = _MANIFEST_MODEL
+
+    artifact_id: str = Field(min_length=1, max_length=128, pattern=_ARTIFACT_ID_PATTERN)
+    manifest_sha256: str
+
+    @field_validator("manifest_sha256")
+    @classmethod
+    def _lower_hex(cls, value: str) -> str:
+        if not is_sha256_hex(value):
+            raise ValueError("must be 64 lowercase hex characters")
+        return value
+
+
 class Manifest(BaseModel):
     """Runtime, precision, architecture and feature schema are free strings here on purpose:
     an unknown value is a compatibility rejection (category ``runtime``/``schema``) decided by
-    the loader, not a parse error."""
+    the loader, not a parse error.
+
+    ``kind``: a ``model`` holds every tensor of its architecture (the default, left out of
+    the serialised manifest so that manifests packed before kinds existed keep their bytes
+    and digests); a ``backbone`` holds every tensor but its family's head and is never served
+    alone; a ``head`` holds only the head's tensors and pins the ``backbone`` it runs on."""
 
     model_config = _MANIFEST_MODEL
 
     schema_version: int = MANIFEST_SCHEMA_VERSION
-    model: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    artifact_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: str = Field(min_length=1, max_length=128, pattern=_ARTIFACT_ID_PATTERN)
+    artifact_id: str = Field(min_length=1, max_length=128, pattern=_ARTIFACT_ID_PATTERN)
+    kind: ArtifactKind = "model"
+    backbone: BackboneRef | None = None
     runtime: str
     architecture: Architecture
     feature_schema: str
     precision: str
     files: list[FileEntry] = Field(min_length=1)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _backbone_only_on_heads(self) -> Manifest:
+        if self.kind == "head" and self.backbone is None:
+            raise ValueError(
+                "a head artifact names its backbone (backbone: {artifact_id, manifest_sha256})"
+            )
+        if self.kind != "head" and self.backbone is not None:
+            raise ValueError(f"a {self.kind} artifact has no backbone (only a head has one)")
+        if self.backbone is not None and self.backbone.artifact_id == self.artifact_id:
+            raise ValueError("a head cannot be its own backbone")
+        return self
 
     @property
     def total_bytes(self) -> int:
@@ -126,8 +174,15 @@ class Manifest(BaseModel):
         raise KeyError(path)
 
     def to_bytes(self) -> bytes:
-        """Canonical serialisation used when packing (sorted keys, 2-space indent)."""
-        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
+        """Canonical serialisation used when packing (sorted keys, 2-space indent); a whole
+        model's ``kind`` and absent ``backbone`` are left out (the bytes of every manifest
+        packed before kinds existed)."""
+        document = self.model_dump(mode="json")
+        if self.kind == "model":
+            del document["kind"]
+        if self.backbone is None:
+            del document["backbone"]
+        return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
 
 
 # Characters no file path may hold: C0/C1 controls and DEL (Cc), bidi controls, zero-width
@@ -137,6 +192,17 @@ _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 _RESERVED_KEYS: Final = frozenset(
     unicodedata.normalize("NFC", n).casefold() for n in RESERVED_NAMES
 )
+
+
+def backbone_manifest_uri(head_manifest_uri: str, backbone: BackboneRef) -> str:
+    """Where a head's backbone lies: the directory beside the head's, named by the backbone's
+    artifact id (``s3://bucket/models/head-7/manifest.json`` ->
+    ``s3://bucket/models/rb-1/manifest.json``). Any scheme; the query or fragment of a URL
+    is not carried over."""
+    base = head_manifest_uri.split("?", 1)[0].split("#", 1)[0]
+    head_dir = base.rsplit("/", 1)[0]
+    store = head_dir.rsplit("/", 1)[0]
+    return f"{store}/{backbone.artifact_id}/{MANIFEST_NAME}"
 
 
 def check_relative_path(path: str) -> str:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 from app.errors import ArtifactRejected, ConfigError
 
@@ -187,6 +187,22 @@ class Network(Protocol):
     def memory(self, params: Mapping[str, int]) -> NetworkMemory: ...
 
 
+@runtime_checkable
+class SplitForward(Protocol):
+    """The forward of a family with a head, in two halves: ``forward(model, batch)`` is
+    exactly ``head_forward(model, backbone_forward(model, batch))``. The backbone's half
+    reads only backbone tensors, the head's only head tensors; so a head's dry run on a
+    resident backbone computes only the head's half for inputs the backbone has seen."""
+
+    def backbone_forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What the head reads, one row per candidate row."""
+        ...
+
+    def head_forward(self, model: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """One logit per row, shape ``[rows]``."""
+        ...
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """A family's declaration (its module's ``FAMILY``)."""
@@ -196,6 +212,12 @@ class ModelFamily:
     schema: RequestSchema
     # "package.module:attribute" of the Network, imported on first use.
     network_path: str
+    # The state-dict key prefixes of the family's head for given hyper-parameters (e.g.
+    # ``("head.",)``): a ``head`` artifact holds exactly these tensors, a ``backbone``
+    # artifact every other one. None: the family ships whole models only. A family with a
+    # head gives its Network a ``SplitForward`` (the dry run of a head reuses what the
+    # resident backbone computed).
+    head: Callable[[Mapping[str, int]], tuple[str, ...]] | None = None
     _network: list[Network] = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -204,6 +226,15 @@ class ModelFamily:
             module_name, _, attr = self.network_path.partition(":")
             self._network.append(getattr(importlib.import_module(module_name), attr))
         return self._network[0]
+
+    @property
+    def splits(self) -> bool:
+        """Backbone and head artifacts of this family can be packed and served."""
+        return self.head is not None
+
+    def is_head_key(self, key: str, params: Mapping[str, int]) -> bool:
+        prefixes = self.head(params) if self.head is not None else ()
+        return any(key.startswith(prefix) for prefix in prefixes)
 
     def spec(self, arch: Architecture) -> ArchitectureSpec | None:
         for spec in self.architectures:

@@ -10,22 +10,30 @@ served meanwhile.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 
-from app.artifact_store import check_uri_allowed
+from app.artifact_store import check_uri_allowed, shown_uri
 from app.cache import ArtifactCache, Lease
 from app.contracts import DEFAULT_FEATURE_SCHEMA, LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
 from app.generations import Generation, GenerationHolder
 from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
-from app.loader import CandidateLoad, LoadedModel, load_verified
-from app.manifest import Manifest
+from app.loader import (
+    BackboneFreed,
+    CandidateLoad,
+    LoadedModel,
+    ResidentBackbone,
+    load_backbone,
+    load_verified,
+)
+from app.manifest import BackboneRef, Manifest, backbone_manifest_uri
 from app.memory import MemoryBudget
 from app.model_family import DEFAULT_FAMILIES, Families, families_for
 
@@ -78,6 +86,49 @@ def check_manifest_for(target: Target, loading: LoadingConfig, manifest: Manifes
         )
 
 
+class BackboneShelf:
+    """The backbones resident in one replica, by artifact id and manifest digest: where a
+    head finds the backbone it pins. A backbone stays while a model uses it (its
+    ``ResidentBackbone`` counts them) and holds the cache lease of its bytes until then;
+    the shelf forgets it when its last user releases it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._resident: dict[tuple[str, str], tuple[ResidentBackbone, Lease]] = {}
+
+    def acquire(self, ref: BackboneRef) -> ResidentBackbone | None:
+        with self._lock:
+            found = self._resident.get((ref.artifact_id, ref.manifest_sha256))
+        if found is None:
+            return None
+        try:
+            return found[0].acquire()
+        except BackboneFreed:  # its last user let it go meanwhile
+            return None
+
+    def add(self, backbone: ResidentBackbone, lease: Lease) -> ResidentBackbone:
+        """Shelve a freshly loaded backbone; returns it with one use for the caller."""
+        backbone.acquire()
+        with self._lock:
+            self._resident[(backbone.artifact_id, backbone.manifest_sha256)] = (backbone, lease)
+        return backbone
+
+    def freed(self, backbone: ResidentBackbone) -> None:
+        """``ResidentBackbone.on_free``: its last user released it."""
+        key = (backbone.artifact_id, backbone.manifest_sha256)
+        with self._lock:
+            found = self._resident.get(key)
+            if found is None or found[0] is not backbone:
+                return
+            del self._resident[key]
+        found[1].release()
+
+    @property
+    def resident(self) -> list[ResidentBackbone]:
+        with self._lock:
+            return [backbone for backbone, _ in self._resident.values()]
+
+
 class ModelLoader:
     """The reconciler's load/install/discard/retire steps (``app.reconciler.TargetLoader``)
     for real artifacts, installing into the replica's generation holder.
@@ -112,6 +163,7 @@ class ModelLoader:
         self._leases: dict[int, Lease] = {}  # id(model) -> lease, while its generation lives
         self._budget = budget
         self._device = device
+        self.backbones = BackboneShelf()
 
     def load(self, target: Target, control: LoadControl | None = None) -> Candidate:
         families, schema = self._serving()
@@ -142,12 +194,21 @@ class ModelLoader:
         # The fetch's sink: a cold fetch feeds the weights into the model as it hashes them
         # (read and hashed once in all); the runtime, schema and budget are checked before
         # a byte of them is fetched.
+        budget = self._budget()
+        backbone_read: dict[str, int] = {}
+
+        def backbone_for(head: Manifest) -> ResidentBackbone:
+            return self._backbone_for(
+                head, target, cache, control, budget, resident, families, backbone_read
+            )
+
         prepared = CandidateLoad(
             device=self._device,
-            budget=self._budget(),
+            budget=budget,
             resident_bytes=resident,
             expect=lambda manifest: check_manifest_for(target, loading, manifest),
             families=families,
+            backbones=backbone_for,
         )
         try:
             artifact = cache.fetch_verified(
@@ -156,6 +217,7 @@ class ModelLoader:
             artifact_read = True
             model = load_verified(artifact, control=control, prepared=prepared)
         except ArtifactRejected as exc:
+            prepared.abandon()
             lease.release()
             if exc.category in CACHED_BYTES_CHANGED and artifact_read:
                 # The cached copy changed after it was verified (disk rot, a hand edit): the
@@ -163,6 +225,7 @@ class ModelLoader:
                 cache.set_aside(target.manifest_sha256)
             raise
         except BaseException:
+            prepared.abandon()
             lease.release()
             raise
         timings = LoadTimings(
@@ -173,10 +236,45 @@ class ModelLoader:
             load=float(model.timings.get("load", 0.0)),
             dry_run=float(model.timings.get("dry_run", 0.0)),
             paced=control.paused_s,
-            fetched_bytes=0 if artifact.cached else artifact.manifest.total_bytes,
-            loaded_bytes=model.loaded_bytes,
+            fetched_bytes=(0 if artifact.cached else artifact.manifest.total_bytes)
+            + backbone_read.get("fetched", 0),
+            loaded_bytes=model.loaded_bytes + backbone_read.get("loaded", 0),
+            backbone_loaded_bytes=backbone_read.get("placed", 0),
         )
         return Candidate(target, model, lease, timings)
+
+    def _backbone_for(
+        self,
+        head: Manifest,
+        target: Target,
+        cache: ArtifactCache,
+        control: LoadControl,
+        budget: MemoryBudget,
+        resident: int,
+        families: Families,
+        read: dict[str, int],
+    ) -> ResidentBackbone:
+        """The backbone ``head`` pins, with a use for it: the resident one, or else loaded
+        from beside the head in its store (within the budget beside the serving model)."""
+        assert head.backbone is not None
+        found = self.backbones.acquire(head.backbone)
+        if found is not None:
+            return found
+        pinned = load_pinned_backbone(
+            cache,
+            head,
+            target.manifest_uri,
+            device=self._device,
+            budget=budget,
+            resident_bytes=resident,
+            families=families,
+            control=control,
+            on_free=self.backbones.freed,
+        )
+        read["fetched"] = pinned.fetched_bytes
+        read["loaded"] = pinned.backbone.loaded_bytes
+        read["placed"] = pinned.backbone.manifest.total_bytes
+        return self.backbones.add(pinned.backbone, pinned.lease)
 
     def install(self, target: Target, loaded: Candidate) -> bool:
         started = time.perf_counter()
@@ -208,3 +306,75 @@ class ModelLoader:
         """The holder's cleanup of a retired or refused generation."""
         model = generation.model
         close_model(model, self._leases.pop(id(model), None))
+
+
+@dataclass
+class PinnedBackbone:
+    backbone: ResidentBackbone  # no use taken yet
+    lease: Lease  # of its cache entry: release it when the backbone is freed
+    fetched_bytes: int  # from the store (0: a cache hit)
+
+
+def load_pinned_backbone(
+    cache: ArtifactCache,
+    head: Manifest,
+    head_manifest_uri: str,
+    *,
+    device: torch.device,
+    budget: MemoryBudget | None,
+    resident_bytes: int,
+    families: Families,
+    control: LoadControl | None = None,
+    on_free: Callable[[ResidentBackbone], None] | None = None,
+    recheck: Literal["sizes", "digests"] = "sizes",
+) -> PinnedBackbone:
+    """Fetch, verify and load the backbone ``head`` pins from beside the head in its store
+    (``app.manifest.backbone_manifest_uri``), within ``budget`` beside ``resident_bytes``.
+    ArtifactRejected("backbone") when it cannot be had; a cache entry whose bytes changed
+    after they were verified is set aside and its ``size``/``digest`` refusal kept (a retry
+    reads the source)."""
+    ref = head.backbone
+    if ref is None:
+        raise ValueError(f"{head.artifact_id} is no head")
+    uri = backbone_manifest_uri(head_manifest_uri, ref)
+    lease = cache.lease(ref.manifest_sha256)
+    read_started = False
+
+    def expect(manifest: Manifest) -> None:
+        if manifest.artifact_id != ref.artifact_id:
+            raise ArtifactRejected(
+                "backbone",
+                f"the manifest at {shown_uri(uri)} names artifact {manifest.artifact_id!r}, "
+                f"the head pins {ref.artifact_id!r}",
+            )
+
+    sink = CandidateLoad(
+        device=device,
+        budget=budget,
+        resident_bytes=resident_bytes,
+        expect=expect,
+        families=families,
+        role="backbone",
+    )
+    try:
+        artifact = cache.fetch_verified(
+            uri, ref.manifest_sha256, recheck=recheck, control=control, sink=sink
+        )
+        read_started = True
+        backbone = load_backbone(artifact, control=control, prepared=sink, on_free=on_free)
+    except ArtifactRejected as exc:
+        lease.release()
+        if exc.category in CACHED_BYTES_CHANGED and read_started:
+            cache.set_aside(ref.manifest_sha256)
+            raise
+        raise ArtifactRejected(
+            "backbone",
+            f"head pins backbone {ref.artifact_id} ({ref.manifest_sha256[:12]}), which is not "
+            f"resident and cannot be loaded from {shown_uri(uri)}: {exc}",
+            artifact_id=head.artifact_id,
+        ) from None
+    except BaseException:
+        lease.release()
+        raise
+    fetched = 0 if artifact.cached else artifact.manifest.total_bytes
+    return PinnedBackbone(backbone, lease, fetched)

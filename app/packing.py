@@ -28,9 +28,12 @@ from app.manifest import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
     Architecture,
+    ArtifactKind,
+    BackboneRef,
     FileEntry,
     Manifest,
     check_file_paths,
+    parse_manifest,
     sha256_hex,
 )
 from app.openssf_signing import DEFAULT_SIGNATURE_FILE, GIT_METADATA, sign_directory
@@ -52,6 +55,7 @@ class PackResult:
     # The manifest's: a target of this artifact names it (a replica serving another schema
     # refuses the target before fetching anything).
     feature_schema: str = DEFAULT_FEATURE_SCHEMA
+    kind: ArtifactKind = "model"
 
     def target(self, revision: int) -> Target:
         """This artifact as a cohort's target at ``revision``."""
@@ -68,6 +72,8 @@ class PackResult:
             "artifact_id": self.artifact_id,
             "manifest_uri": self.manifest_uri,
             "manifest_sha256": self.manifest_sha256,
+            "feature_schema": self.feature_schema,
+            "kind": self.kind,
         }
 
 
@@ -120,6 +126,28 @@ def _copy_hashing(
     return h.hexdigest(), size
 
 
+def backbone_ref(artifact_dir: Path) -> BackboneRef:
+    """The pin of the packed backbone artifact in ``artifact_dir`` (its manifest's id and
+    digest), for packing heads on it; ConfigError when it is no backbone."""
+    path = Path(artifact_dir) / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"--backbone: cannot read {path}: {exc.strerror or exc}", field="backbone"
+        ) from None
+    try:
+        manifest = parse_manifest(data)
+    except ArtifactRejected as exc:
+        raise ConfigError(f"--backbone: {path}: {exc}", field="backbone") from None
+    if manifest.kind != "backbone":
+        raise ConfigError(
+            f"--backbone: {manifest.artifact_id} is a {manifest.kind} artifact, not a backbone",
+            field="backbone",
+        )
+    return BackboneRef(artifact_id=manifest.artifact_id, manifest_sha256=sha256_hex(data))
+
+
 def check_expected_divergence(
     metadata: dict[str, Any], artifact_id: str
 ) -> ExpectedDivergence | None:
@@ -152,6 +180,8 @@ def pack_artifact(
     signature_file: str = DEFAULT_SIGNATURE_FILE,
     on_start: Callable[[int], None] | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    kind: ArtifactKind = "model",
+    backbone: BackboneRef | None = None,
 ) -> PackResult:
     """Copy every regular file of ``src_dir`` into ``out_dir`` and write ``manifest.json``.
 
@@ -168,6 +198,9 @@ def pack_artifact(
 
     ``on_start(total_bytes)`` is called once before the copy, ``on_bytes(n)`` as each chunk
     is copied and hashed (a progress bar).
+
+    ``kind``/``backbone``: a ``backbone`` artifact (every tensor but the family's head), or a
+    ``head`` pinning the ``backbone`` it was trained on (``backbone_ref`` of a packed one).
     """
     try:
         signature_file = SignatureTrust(signature_file=signature_file).signature_file
@@ -225,6 +258,8 @@ def pack_artifact(
             manifest = Manifest(
                 model=model,
                 artifact_id=artifact_id,
+                kind=kind,
+                backbone=backbone,
                 runtime=runtime,
                 architecture=architecture,
                 feature_schema=feature_schema,
@@ -254,4 +289,5 @@ def pack_artifact(
         manifest_uri=manifest_uri_for(out_dir),
         manifest_sha256=sha256_hex(manifest_bytes),
         feature_schema=feature_schema,
+        kind=kind,
     )

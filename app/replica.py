@@ -408,8 +408,14 @@ class RankerReplica:
                     if "CUDA" in str(exc) or "cuda" in str(exc):
                         self._fatal = exc  # unrecoverable device fault: check_health fails
                     raise
+                backbone = model.backbone
                 meta = ModelMeta(
-                    gen.artifact_id, gen.revision, cohort, model.runtime_build, self.replica_id
+                    gen.artifact_id,
+                    gen.revision,
+                    cohort,
+                    model.runtime_build,
+                    self.replica_id,
+                    backbone.artifact_id if backbone is not None else None,
                 )
         except NotReady as exc:
             raise ReplicaNotReady(f"{self.replica_id}: {exc}") from None
@@ -437,6 +443,7 @@ class RankerReplica:
             desired_artifact=snap.desired.artifact_id if snap.desired else None,
             actual_revision=current.revision if current else None,
             actual_artifact=current.artifact_id if current else None,
+            actual_backbone=_backbone_of(model),
             runtime_build=getattr(model, "runtime_build", None),
             last_error=self._latest_error(snap.last_error),
             discarded_revisions=snap.discarded[-MAX_REPORTED_REVISIONS:],
@@ -479,10 +486,12 @@ class RankerReplica:
         if capacity is None:
             capacity = device_capacity(self._device, resident)
         estimate = getattr(model, "memory", None)
+        backbone = getattr(model, "backbone", None)
         return MemoryFigures(
             resident_bytes=resident,
             capacity_bytes=capacity,
             load_peak_bytes=None if estimate is None else estimate.single_buffer_peak,
+            backbone_bytes=int(getattr(backbone, "nbytes", 0)),
         )
 
     def _installed(self, candidate: Candidate) -> None:
@@ -527,3 +536,8 @@ def _progress(snap: ReconcilerSnapshot) -> LoadProgress | None:
         total_bytes=p.total_bytes,
         elapsed_s=max(0.0, p.elapsed_s),
     )
+
+
+def _backbone_of(model: object) -> str | None:
+    backbone = getattr(model, "backbone", None)
+    return getattr(backbone, "artifact_id", None)

@@ -604,6 +604,7 @@ class Router:
                 "cohort": meta.cohort,
                 "runtime_build": meta.runtime_build,
                 "replica": meta.replica,
+                "backbone_artifact_id": meta.backbone,
             },
             "failover": failover,
         }
@@ -612,6 +613,8 @@ class Router:
             "X-Model-Revision": str(meta.revision),
             "X-Model-Cohort": meta.cohort,
         }
+        if meta.backbone is not None:
+            headers["X-Model-Backbone"] = meta.backbone
         response = _json(200, payload, headers)
         if (
             cohort == STABLE

@@ -138,6 +138,19 @@ def cli() -> None:
     help="An expected_divergence block (JSON, as `rollout replay --out` writes it) to embed "
     "as the manifest's metadata.expected_divergence.",
 )
+@click.option(
+    "--backbone-only",
+    is_flag=True,
+    help="Pack a backbone artifact: every tensor but the family's head, never served alone.",
+)
+@click.option(
+    "--backbone",
+    "backbone_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Pack a head artifact on the backbone packed in this directory (its manifest's id "
+    "and digest are pinned). Publish the head beside it in the same store.",
+)
 @_json_mode_option
 def pack(
     src_dir: Path,
@@ -151,10 +164,20 @@ def pack(
     sign_key: Path | None,
     signature_file: str,
     expected_divergence_file: Path | None,
+    backbone_only: bool,
+    backbone_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Pack SRC_DIR into an immutable artifact directory with a manifest."""
-    from app.packing import pack_artifact
+    from app.packing import backbone_ref, pack_artifact
+
+    if backbone_only and backbone_dir is not None:
+        raise click.BadParameter(
+            "a backbone has no backbone: give --backbone-only or --backbone",
+            param_hint="--backbone",
+        )
+    backbone = backbone_ref(backbone_dir) if backbone_dir is not None else None
+    kind = "backbone" if backbone_only else "head" if backbone is not None else "model"
     from rollout.progress_bar import progress_bars, wanted
 
     architecture = None
@@ -183,6 +206,8 @@ def pack(
             signature_file=signature_file,
             on_start=lambda total: bars.start("copy + hash", total),
             on_bytes=lambda n: bars.advance("copy + hash", n),
+            kind=kind,
+            backbone=backbone,
         )
     emit(result.as_json())
 
@@ -270,7 +295,7 @@ def verify(
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
         servable = _servable_check(model)
         # With --load, a cold fetch feeds the weights into the model as it hashes them.
-        prepared = _candidate_load(memory_budget, servable) if load else None
+        prepared = _candidate_load(memory_budget, servable, cache, manifest_uri) if load else None
         artifact = _fetch_servable(cache, manifest_uri, manifest_sha256, servable, prepared, bars)
         if prepared is not None:
             payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, prepared, bars)
@@ -305,13 +330,36 @@ def _servable_check(model: str) -> Callable[[Manifest], None]:
 
 
 def _candidate_load(
-    memory_budget: int | None, servable: Callable[[Manifest], None]
+    memory_budget: int | None,
+    servable: Callable[[Manifest], None],
+    cache: ArtifactCache,
+    manifest_uri: str,
 ) -> CandidateLoad:
-    from app.loader import CandidateLoad
+    """The load of ``verify --load``; a head's pinned backbone is fetched from beside it,
+    every byte re-hashed like the head's, and loaded first (within the budget)."""
+    from app.loader import CandidateLoad, ResidentBackbone, default_device
     from app.memory import MemoryBudget
+    from app.model_family import SHIPPED_FAMILIES, families_for
+    from app.model_loading import load_pinned_backbone
 
     budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
-    return CandidateLoad(budget=budget, expect=servable)
+    device = default_device()
+
+    def backbones(head: Manifest) -> ResidentBackbone:
+        pinned = load_pinned_backbone(
+            cache,
+            head,
+            manifest_uri,
+            device=device,
+            budget=budget,
+            resident_bytes=0,
+            families=families_for(SHIPPED_FAMILIES),
+            on_free=lambda _backbone: pinned.lease.release(),
+            recheck="digests",
+        )
+        return pinned.backbone.acquire()
+
+    return CandidateLoad(device=device, budget=budget, expect=servable, backbones=backbones)
 
 
 def _fetch_servable(
@@ -366,6 +414,7 @@ def _load_for_verify(
             "runtime_build": model.runtime_build,
             "param_bytes": model.param_bytes,
             "loaded_bytes": model.loaded_bytes,
+            "backbone": model.backbone.artifact_id if model.backbone is not None else None,
             **{f"{k}_s": round(v, 4) for k, v in model.timings.items()},
         }
     finally:
@@ -393,8 +442,8 @@ def _verified_model(
             f"{directory / MANIFEST_NAME} has sha256 {found}, not the given {manifest_sha256}",
         )
     servable = _servable_check(model)
-    prepared = _candidate_load(None, servable)
     uri = manifest_uri_for(directory)
+    prepared = _candidate_load(None, servable, cache, uri)
     artifact = _fetch_servable(cache, uri, manifest_sha256, servable, prepared, bars)
     return _load_strictly(cache, artifact, manifest_sha256, prepared, bars)
 

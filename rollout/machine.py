@@ -81,6 +81,7 @@ class ReplicaObservation:
     actual_artifact_id: str | None
     phase: ReplicaPhase
     error: str | None = None
+    actual_backbone_id: str | None = None  # the backbone a serving head runs on
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,16 @@ class PoolView:
 
     def all_ready_on(self, artifact_id: str, at_least: int = 1) -> bool:
         return self.ready_on(artifact_id) >= max(at_least, self.expected, 1)
+
+    def backbones_on(self, artifact_id: str | None = None) -> set[str | None]:
+        """The backbones the replicas serving ``artifact_id`` (None: any artifact) run on
+        (None in the set: a whole model)."""
+        return {
+            r.actual_backbone_id
+            for r in self.replicas
+            if r.actual_artifact_id is not None
+            and (artifact_id is None or r.actual_artifact_id == artifact_id)
+        }
 
     def failures_on(self, artifact_id: str) -> list[ReplicaObservation]:
         return [
@@ -727,6 +738,22 @@ class _Tick:
         self.enter(Phase.PROMOTING)
         s.pending_gate = None
         strategy = s.plan.promotion
+        backbone = self.shared_backbone()
+        if backbone is not None and s.plan.head_swap != "never":
+            if self.obs.in_place_fits is True:
+                strategy = "in_place"
+                self.audit(
+                    "promotion_strategy",
+                    f"only the head changes (both run on backbone {backbone}) and the memory "
+                    "budget allows it: swapping the head in place",
+                )
+            elif s.plan.head_swap == "require":
+                self.withdraw(
+                    Phase.FAILED,
+                    f"the plan requires an in-place head swap (head_swap: require) and the "
+                    f"memory budget does not allow one (observed {self.obs.in_place_fits})",
+                )
+                return
         if strategy == "in_place" and self.obs.in_place_fits is not True:
             strategy = "shift"
             self.audit(
@@ -736,6 +763,16 @@ class _Tick:
             )
         s.promotion_strategy = strategy
         self.audit("promoting", f"promoting {s.candidate_artifact_id} by {strategy}")
+
+    def shared_backbone(self) -> str | None:
+        """The backbone of a head-only change: every canary replica serving the candidate
+        and every stable replica run on this one backbone (None: not such a change, or not
+        observed)."""
+        candidate = self.obs.canary.backbones_on(self.s.candidate_artifact_id)
+        stable = self.obs.stable.backbones_on()
+        if len(candidate) != 1 or candidate != stable:
+            return None
+        return next(iter(candidate))
 
     def promoting(self) -> None:
         s = self.s

@@ -67,6 +67,7 @@ DEFAULT_SHADOW_TOP1_CHANGE_MAX: Final = 0.1
 DEFAULT_SHADOW_TOLERANCE: Final = 0.05
 
 PromotionStrategy = Literal["shift", "in_place"]
+HeadSwap = Literal["prefer", "require", "never"]
 JudgeName = Literal["sequential", "threshold"]
 
 
@@ -225,6 +226,11 @@ class RolloutPlan(BaseModel):
     - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
       traffic, then traffic returns to stable) or ``in_place`` (stable hot-swaps while serving;
       used only when the memory budget is observed to allow it, otherwise ``shift``).
+    - ``head_swap``: when only a head changes (the canary's candidate and every stable
+      replica run on one backbone), ``prefer`` promotes in place whatever ``promotion``
+      says, if the budget allows it (a head beside a shared backbone usually fits);
+      ``require`` does too and fails the rollout at promotion when the budget does not
+      (never a shift); ``never`` leaves the choice to ``promotion``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -241,6 +247,7 @@ class RolloutPlan(BaseModel):
     threshold: int = Field(default=DEFAULT_THRESHOLD, ge=1)
     progress_deadline_s: float = Field(default=DEFAULT_PROGRESS_DEADLINE_S, gt=0.0)
     promotion: PromotionStrategy = "shift"
+    head_swap: HeadSwap = "prefer"
     gates: Gates = Field(default_factory=Gates)
     canary_scaling: CanaryScaling = Field(default_factory=CanaryScaling)
     shadow: ShadowPlan | None = None

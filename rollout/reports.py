@@ -149,6 +149,7 @@ class ReportStore:
                 actual_artifact_id=report.actual_artifact,
                 phase=report.phase,
                 error=describe_error(report),
+                actual_backbone_id=report.actual_backbone,
             )
             for replica_id, report in self.latest().items()
             if replica_id in running
@@ -225,7 +226,9 @@ def registry_record(report: InstanceReport, *, model: str, environment: str) -> 
     assert report.cohort is not None
     # The record's timings are seconds by stage; the byte counts stay in the live report.
     timings = report.timings.model_dump(
-        mode="json", exclude_none=True, exclude={"fetched_bytes", "loaded_bytes"}
+        mode="json",
+        exclude_none=True,
+        exclude={"fetched_bytes", "loaded_bytes", "backbone_loaded_bytes"},
     )
     return ReplicaReportRecord(
         replica_id=report.replica_id,
@@ -250,21 +253,31 @@ def in_place_fits(
     """Whether every stable replica can load ``candidate`` beside the model it serves, from
     the replicas' own reports: what loading the candidate alone took on a canary replica (its
     load's estimate: weights, load temporaries, warm-up, margin) plus each stable replica's
-    resident bytes, within that replica's capacity. None when a report lacks a figure (the
-    machine then promotes by shift); the stable replicas re-check at load time all the same.
+    resident bytes, within that replica's capacity. A head candidate's load took its head
+    alone (its backbone was resident): a stable replica that runs on the same backbone needs
+    that, one on another backbone (or a whole model) the backbone's bytes as well. None when
+    a report lacks a figure (the machine then promotes by shift); the stable replicas
+    re-check at load time all the same.
     """
-    peaks = [r.capacity.memory.load_peak_bytes for r in canary if r.actual_artifact == candidate]
-    if not peaks or not stable:
+    loads = [r for r in canary if r.actual_artifact == candidate]
+    if not loads or not stable:
         return None
-    needed = 0
-    for peak in peaks:
-        if peak is None:
+    peak = 0
+    backbone: str | None = None
+    backbone_bytes = 0
+    for report in loads:
+        memory = report.capacity.memory
+        if memory.load_peak_bytes is None:
             return None
-        needed = max(needed, peak)
+        peak = max(peak, memory.load_peak_bytes)
+        backbone = report.actual_backbone
+        backbone_bytes = max(backbone_bytes, memory.backbone_bytes)
     for report in stable:
         memory = report.capacity.memory
         if memory.capacity_bytes is None:
             return None
+        shared = backbone is not None and report.actual_backbone == backbone
+        needed = peak + (0 if shared else backbone_bytes)
         if memory.resident_bytes + needed > memory.capacity_bytes:
             return False
     return True

@@ -132,6 +132,7 @@ def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[Rep
             error=clip_text(r.last_error.describe()) if r.last_error is not None else None,
             age_s=round(now - r.heartbeat, 1),
             progress=r.progress,
+            backbone=r.actual_backbone,
         )
         for replica_id, r in reports.items()
     )
@@ -304,7 +305,8 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                         str(r.cohort or "-"),
                         _phase_cell(r),
                         _at_revision(r.desired, r.desired_revision),
-                        _at_revision(r.actual, r.actual_revision),
+                        _at_revision(r.actual, r.actual_revision)
+                        + (f" on {r.backbone}" if r.backbone else ""),
                         f"{r.age_s:.1f}s ago",
                         r.error or "",
                     )

@@ -53,6 +53,7 @@ class RequestRecord:
     error: str | None = None
     replica: str | None = None
     attempts: int = 1  # HTTP attempts of the call (more than 1 only with a retrying client)
+    backbone: str | None = None  # the backbone artifact a head that answered runs on
 
 
 @dataclass
@@ -267,6 +268,7 @@ def _answered(
         failover=bool(body.get("failover")),
         replica=model.get("replica"),
         attempts=attempts,
+        backbone=model.get("backbone_artifact_id"),
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any, Final, Protocol, Self
 from app.artifact_store import fetch_manifest
 from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
-from app.manifest import Manifest, is_sha256_hex
+from app.manifest import BackboneRef, Manifest, backbone_manifest_uri, is_sha256_hex
 from app.registry.base import (
     ArtifactAuditEntry,
     ArtifactRecord,
@@ -243,6 +243,9 @@ class SqlRegistry(ABC):
             updated_at=self._ts_value(row["updated_at"]),
             state_actor=row["state_actor"],
             state_reason=row["state_reason"],
+            kind=row["kind"],
+            backbone_artifact_id=row["backbone_artifact_id"],
+            backbone_manifest_sha256=row["backbone_manifest_sha256"],
         )
 
     def _target(self, row: Row) -> TargetRecord:
@@ -341,8 +344,9 @@ class SqlRegistry(ABC):
             row = tx.one(
                 """
                 INSERT INTO model_artifact (model, artifact_id, manifest_uri, manifest_sha256,
-                    state, feature_schema, runtime, metadata, created_at, updated_at)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                    state, feature_schema, runtime, metadata, created_at, updated_at, kind,
+                    backbone_artifact_id, backbone_manifest_sha256)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                 ON CONFLICT (model, artifact_id) DO NOTHING
                 RETURNING *
                 """,
@@ -357,6 +361,9 @@ class SqlRegistry(ABC):
                     self._json_param(merged),
                     now,
                     now,
+                    manifest.kind,
+                    manifest.backbone.artifact_id if manifest.backbone else None,
+                    manifest.backbone.manifest_sha256 if manifest.backbone else None,
                 ),
             )
             if row is not None:
@@ -504,6 +511,23 @@ class SqlRegistry(ABC):
                         model=model,
                         artifact_id=artifact_id,
                     )
+                heads = tx.all(
+                    "SELECT t.environment, t.cohort, t.artifact_id FROM deployment_target t "
+                    "JOIN model_artifact a ON a.model = t.model AND a.artifact_id = "
+                    "t.artifact_id WHERE t.model = ? AND a.backbone_artifact_id = ? "
+                    "ORDER BY t.environment, t.cohort",
+                    (model, artifact_id),
+                )
+                if heads:
+                    where = ", ".join(
+                        f"{h['environment']}/{h['cohort']} ({h['artifact_id']})" for h in heads
+                    )
+                    raise InvalidState(
+                        f"backbone {model}/{artifact_id} runs the heads targeted by {where}; "
+                        "publish other artifacts there before rejecting it",
+                        model=model,
+                        artifact_id=artifact_id,
+                    )
                 row = self._set_artifact_state(tx, row, "rejected", "reject", actor, reason)
         return self._artifact(row)
 
@@ -577,6 +601,7 @@ class SqlRegistry(ABC):
                     model=model,
                     artifact_id=artifact_id,
                 )
+            self._check_servable(tx, artifact)
             current = self._target_in(tx, model, env, cohort)
             if expected_revision == 0:
                 if current is not None:
@@ -642,6 +667,56 @@ class SqlRegistry(ABC):
                 manifest_sha256=artifact["manifest_sha256"],
                 feature_schema=artifact["feature_schema"],
                 updated_at=self._ts_value(row["updated_at"]),
+            )
+
+    def _check_servable(self, tx: Tx, artifact: Row) -> None:
+        """A backbone is never a target; a head is one only on a ready backbone registered
+        with the digest it pins, where replicas look for it (beside the head)."""
+        model, aid = artifact["model"], artifact["artifact_id"]
+        if artifact["kind"] == "backbone":
+            raise InvalidState(
+                f"artifact {model}/{aid} is a backbone, never served alone; publish one of "
+                "its heads",
+                model=model,
+                artifact_id=aid,
+            )
+        if artifact["kind"] != "head":
+            return
+        ref = BackboneRef(
+            artifact_id=artifact["backbone_artifact_id"],
+            manifest_sha256=artifact["backbone_manifest_sha256"],
+        )
+        pinned = f"backbone {model}/{ref.artifact_id}"
+        try:
+            # FOR SHARE as well: a concurrent reject of the backbone waits for this publish.
+            backbone = self._artifact_row(tx, model, ref.artifact_id, self.share_lock)
+        except NotFound:
+            raise InvalidState(
+                f"head {model}/{aid} runs on {pinned}, which is not registered; register and "
+                "approve it first",
+                model=model,
+                artifact_id=aid,
+            ) from None
+        problem = None
+        if backbone["kind"] != "backbone":
+            problem = f"is a {backbone['kind']} artifact, not a backbone"
+        elif backbone["manifest_sha256"] != ref.manifest_sha256:
+            problem = (
+                f"is registered with manifest sha256 {backbone['manifest_sha256']}, the head "
+                f"pins {ref.manifest_sha256}"
+            )
+        elif backbone["state"] != "ready":
+            problem = f"is {backbone['state']}, not ready; approve it first"
+        elif backbone["manifest_uri"] != backbone_manifest_uri(artifact["manifest_uri"], ref):
+            problem = (
+                f"is registered at {backbone['manifest_uri']}; replicas look for it beside the "
+                f"head, at {backbone_manifest_uri(artifact['manifest_uri'], ref)}"
+            )
+        if problem is not None:
+            raise InvalidState(
+                f"head {model}/{aid} runs on {pinned}, which {problem}",
+                model=model,
+                artifact_id=aid,
             )
 
     def history(

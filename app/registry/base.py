@@ -76,6 +76,10 @@ class ArtifactRecord(_Record):
     updated_at: datetime
     state_actor: str | None = None  # who approved / rejected
     state_reason: str | None = None
+    kind: str = "model"  # ArtifactKind: model | backbone | head
+    # A head's pinned backbone (from its manifest).
+    backbone_artifact_id: str | None = None
+    backbone_manifest_sha256: str | None = None
 
 
 @dataclass(frozen=True)

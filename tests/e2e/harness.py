@@ -403,6 +403,9 @@ class RolloutApp:
     controller: str = CONTROLLER_NAME
     feature_schema: str | None = None  # of the traffic's bodies; None: the default family's
     args: Mapping[str, Any] = field(default_factory=dict)
+    # Registered and approved beside baseline and candidate (heads' backbones, other
+    # candidates).
+    artifacts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -468,7 +471,7 @@ def rollout_application(
     packed = packed or cluster.demo
     registry_url = f"sqlite:///{cluster.work / f'rollout-registry-{name}.db'}"
     registry = open_registry(registry_url)
-    for artifact in (app.baseline, app.candidate):
+    for artifact in (*app.artifacts, app.baseline, app.candidate):
         register(registry, packed[artifact], app.model)
     stable = registry.publish(
         app.model, "default", "stable", app.baseline, 0, actor="e2e", reason="init"

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import app.registry
+from app.artifact_store import manifest_uri_for
+from app.demo_artifacts import SplitArtifacts, pack_split_artifacts
 from app.errors import (
     ArtifactRejected,
     ConsistencyError,
@@ -18,6 +22,8 @@ from app.errors import (
     NotFound,
     RevisionConflict,
 )
+from app.manifest import Architecture
+from app.packing import PackResult
 from app.registry import Registry, ReplicaReportRecord, TargetRecord
 from tests.integration.backends import Backend
 from tests.integration.manifests import MakeManifest
@@ -445,3 +451,66 @@ def test_replica_reports_upsert_and_list(registry: Registry) -> None:
 
     with pytest.raises(ValueError, match="timezone-aware"):
         registry.upsert_replica_report(_report("stable#2", datetime(2030, 1, 1)))
+
+
+# ---- backbones and heads ----------------------------------------------------------------
+
+
+def split_artifacts(root: Path) -> tuple[SplitArtifacts, SplitArtifacts]:
+    arch = Architecture(
+        name="ranker-mlp", version=1, params={"hidden_dim": 8, "num_layers": 1, "context_dim": 2}
+    )
+    one = pack_split_artifacts(root, arch, backbone_id="b1", backbone_seed=1, heads=[("h1", 1)])
+    other = pack_split_artifacts(
+        root / "elsewhere", arch, backbone_id="b2", backbone_seed=2, heads=[("h2", 2)]
+    )
+    return one, other
+
+
+def register(registry: Registry, packed: PackResult, *, approve: bool = True) -> None:
+    registry.register_artifact(packed.manifest_uri, packed.manifest_sha256)
+    if approve:
+        registry.approve_artifact(MODEL, packed.artifact_id, actor="bob")
+
+
+def test_the_registry_records_a_heads_backbone_and_publishes_it_only_on_a_ready_one(
+    registry: Registry, tmp_path: Path
+) -> None:
+    one, _ = split_artifacts(tmp_path)
+    head = one.heads[0]
+    register(registry, head)
+    record = registry.get_artifact(MODEL, "h1")
+    assert (record.kind, record.backbone_artifact_id, record.backbone_manifest_sha256) == (
+        "head",
+        "b1",
+        one.backbone.manifest_sha256,
+    )
+    with pytest.raises(InvalidState, match="backbone ranker/b1, which is not registered"):
+        publish(registry, "stable", "h1", 0)
+    register(registry, one.backbone, approve=False)
+    assert registry.get_artifact(MODEL, "b1").kind == "backbone"
+    with pytest.raises(InvalidState, match="pending, not ready"):
+        publish(registry, "stable", "h1", 0)
+    registry.approve_artifact(MODEL, "b1", actor="bob")
+    target = publish(registry, "stable", "h1", 0)
+    assert (target.artifact_id, target.revision) == ("h1", 1)
+    # The backbone is never a target itself, and is not rejected under a targeted head.
+    with pytest.raises(InvalidState, match="never served alone"):
+        publish(registry, "canary", "b1", 0)
+    with pytest.raises(InvalidState, match=r"runs the heads targeted by default/stable \(h1\)"):
+        registry.reject_artifact(MODEL, "b1", actor="bob", reason="late finding")
+    assert registry.get_artifact(MODEL, "b1").state == "ready"
+
+
+def test_a_head_is_not_published_on_a_backbone_its_replicas_would_not_find(
+    registry: Registry, tmp_path: Path
+) -> None:
+    _, other = split_artifacts(tmp_path)
+    # h2's backbone registered from a copy in another directory than beside h2.
+    moved = tmp_path / "moved" / "b2"
+    shutil.copytree(other.backbone.out_dir, moved)
+    registry.register_artifact(manifest_uri_for(moved), other.backbone.manifest_sha256)
+    registry.approve_artifact(MODEL, "b2", actor="bob")
+    register(registry, other.heads[0])
+    with pytest.raises(InvalidState, match="replicas look for it beside the head"):
+        publish(registry, "stable", "h2", 0)

@@ -9,13 +9,16 @@ MiB = 1 << 20
 V42 = "ranker-v42"
 
 
-def report(artifact: str | None, **memory: int | None) -> InstanceReport:
+def report(
+    artifact: str | None, backbone: str | None = None, **memory: int | None
+) -> InstanceReport:
     return InstanceReport(
         replica_id="r",
         cohort="canary",
         pid=1,
         phase=ReplicaPhase.READY,
         actual_artifact=artifact,
+        actual_backbone=backbone,
         capacity=Capacity(device="cpu", memory=MemoryFigures(**memory)),
         heartbeat=1.0,
         seq=0,
@@ -59,6 +62,17 @@ def test_unknown_figures_say_unknown() -> None:
     assert in_place_fits(canary, unknown, V42) is None
     assert in_place_fits(canary, [], V42) is None
     assert in_place_fits(canary, [report("ranker-v41")], V42) is None  # no figures at all
+
+
+def test_a_head_needs_its_backbone_too_where_stable_runs_on_another() -> None:
+    # The canary loaded the head alone (20 MiB peak) on its resident 300 MiB backbone.
+    canary = [report(V42, "rb-1", load_peak_bytes=20 * MiB, backbone_bytes=300 * MiB)]
+    same = [report("head-1", "rb-1", resident_bytes=310 * MiB, capacity_bytes=400 * MiB)]
+    assert in_place_fits(canary, same, V42) is True
+    other = [report("head-0", "rb-0", resident_bytes=310 * MiB, capacity_bytes=400 * MiB)]
+    assert in_place_fits(canary, other, V42) is False
+    whole = [report("ranker-v41", resident_bytes=10 * MiB, capacity_bytes=400 * MiB)]
+    assert in_place_fits(canary, whole, V42) is True  # 10 + 20 + 300 fits in 400
 
 
 # --------------------------------------------------------------------------- cgroup limits

@@ -380,6 +380,88 @@ def test_in_place_falls_back_to_shift_when_the_budget_does_not_fit() -> None:
     assert d.state.promotion_strategy == "shift"
 
 
+def on_backbone(artifact: str, backbone: str | None, n: int, prefix: str = "r") -> PoolView:
+    return pool(
+        *(
+            ReplicaObservation(
+                f"{prefix}{i}", artifact, artifact, ReplicaPhase.READY, actual_backbone_id=backbone
+            )
+            for i in range(n)
+        )
+    )
+
+
+def test_a_head_only_change_is_swapped_in_place_though_the_plan_says_shift() -> None:
+    d = Driver.start(PLAN)  # promotion: shift, head_swap: prefer
+    t = drive_to_step(d, 2)
+    acts = d.tick(
+        t + 60,
+        canary=on_backbone(V42, "rb-1", 2),
+        stable=on_backbone(V41, "rb-1", 3, prefix="s"),
+        router_weights=w(50),
+        window=window(t, t + 60),
+        in_place_fits=True,
+    )
+    d.expect(
+        acts,
+        [
+            Audit("analysis"),
+            Audit("promotion_strategy", "backbone rb-1"),
+            Audit("promoting", "in_place"),
+            SetStableTarget(V42),
+        ],
+        Phase.PROMOTING,
+        w(50),
+    )
+
+
+@pytest.mark.parametrize(
+    "canary_backbone, stable_backbone, head_swap, fits",
+    [
+        ("rb-2", "rb-1", "prefer", True),  # another backbone: not a head-only change
+        (None, None, "prefer", True),  # whole models
+        ("rb-1", "rb-1", "never", True),  # the plan leaves it to `promotion`
+        ("rb-1", "rb-1", "prefer", False),  # no room: shift as planned
+    ],
+)
+def test_only_a_head_only_change_with_room_overrides_the_planned_shift(
+    canary_backbone: str | None, stable_backbone: str | None, head_swap: str, fits: bool
+) -> None:
+    d = Driver.start(PLAN.model_copy(update={"head_swap": head_swap}))
+    t = drive_to_step(d, 2)
+    acts = d.tick(
+        t + 60,
+        canary=on_backbone(V42, canary_backbone, 2),
+        stable=on_backbone(V41, stable_backbone, 3, prefix="s"),
+        router_weights=w(50),
+        window=window(t, t + 60),
+        in_place_fits=fits,
+    )
+    d.expect(
+        acts,
+        [Audit("analysis"), Audit("promoting", "shift"), ScaleCanary(4)],
+        Phase.PROMOTING,
+        w(50),
+    )
+
+
+def test_a_required_head_swap_the_budget_refuses_fails_the_rollout_instead_of_shifting() -> None:
+    d = Driver.start(PLAN.model_copy(update={"head_swap": "require"}))
+    t = drive_to_step(d, 2)
+    acts = d.tick(
+        t + 60,
+        canary=on_backbone(V42, "rb-1", 2),
+        stable=on_backbone(V41, "rb-1", 3, prefix="s"),
+        router_weights=w(50),
+        window=window(t, t + 60),
+        in_place_fits=False,
+    )
+    assert weights(0) in acts, d.dump()
+    assert d.state.phase is Phase.FAILED, d.dump()
+    assert "head_swap: require" in (d.state.reason or ""), d.dump()
+    assert SetStableTarget(V42) not in acts
+
+
 # ---- gates and operator commands ----------------------------------------------------------
 
 

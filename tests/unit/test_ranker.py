@@ -197,7 +197,8 @@ def test_defaults_and_known_architectures():
         _arch(name="ranker-transformer"),
         _arch(version=2),
         _arch(hidden_dim=0),
-        _arch(num_layers=65),
+        _arch(num_layers=257),
+        _arch(num_layers=2, head_layers=2),  # a backbone keeps at least one layer
         _arch(hidden_dim=True),
         _arch(hidden_dim=8.0),
         _arch(dropout=1),

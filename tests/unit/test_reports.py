@@ -147,7 +147,12 @@ def test_the_registry_record_of_a_report() -> None:
         capacity={
             "max_batch_size": 32,
             "device": "cpu",
-            "memory": {"resident_bytes": 10, "capacity_bytes": 99, "load_peak_bytes": None},
+            "memory": {
+                "resident_bytes": 10,
+                "capacity_bytes": 99,
+                "load_peak_bytes": None,
+                "backbone_bytes": 0,
+            },
         },
         timings={"download": 0.5, "verify": 0.25, "load": 1.0, "dry_run": 0.125, "paced": 0.0},
     )

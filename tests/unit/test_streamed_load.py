@@ -28,7 +28,7 @@ from app.contracts import MemoryConfig
 from app.errors import ArtifactRejected
 from app.generations import GenerationHolder
 from app.load_control import LoadCancelled, LoadControl, LoadStage
-from app.loader import WEIGHTS_FILES, load_verified
+from app.loader import WEIGHTS_FILES, SafetensorsAssembler, load_verified
 from app.memory import MemoryBudget
 from app.model_loading import ModelLoader
 from app.packing import PackResult
@@ -63,6 +63,39 @@ def test_streamed_tensors_equal_the_library_reading_of_the_same_file(
             # fp16/bf16 -> fp32 on the CPU is exact: equal, not close.
             assert got[key].dtype == torch.float32
             assert torch.equal(got[key], tensor.to(torch.float32)), key
+    finally:
+        model.close()
+
+
+def test_same_dtype_bytes_are_read_straight_into_the_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = pack_ranker(tmp_path, artifact_id="st-direct", seed=3)
+    staged: list[int] = []
+    placed: list[int] = []
+    wanted, place = SafetensorsAssembler.wanted, SafetensorsAssembler.placed
+
+    def spy_wanted(self: SafetensorsAssembler, left: int) -> int:
+        staged.append(wanted(self, left))
+        return staged[-1]
+
+    def spy_placed(self: SafetensorsAssembler, n: int) -> None:
+        placed.append(n)
+        place(self, n)
+
+    monkeypatch.setattr(SafetensorsAssembler, "wanted", spy_wanted)
+    monkeypatch.setattr(SafetensorsAssembler, "placed", spy_placed)
+    model = load_verified(open_verified(result), device=CPU)
+    try:
+        data = (result.out_dir / ST).read_bytes()
+        (header_len,) = struct.unpack("<Q", data[:8])
+        # Only the length and the header went through a staging buffer; every tensor byte
+        # was read into its tensor.
+        assert staged == [8, header_len]
+        assert sum(placed) == len(data) - 8 - header_len
+        want = library_state(result)
+        for key, tensor in served_state(model).items():
+            assert torch.equal(tensor, want[key]), key
     finally:
         model.close()
 

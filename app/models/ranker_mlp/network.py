@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from app.contracts import WireRequest
+from app.errors import ArtifactRejected
 from app.manifest import Architecture
 from app.model_family import ArchitectureSpec, Families, NetworkMemory
 from app.models.ranker_mlp import ARCHITECTURES, FAMILY, RANKER_MLP
@@ -36,6 +37,15 @@ class RankerParams:
     hidden_dim: int
     num_layers: int
     context_dim: int
+    head_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_layers >= self.num_layers:
+            raise ArtifactRejected(
+                "runtime",
+                f"architecture param head_layers={self.head_layers} must be below "
+                f"num_layers={self.num_layers} (a backbone keeps the first layer)",
+            )
 
     @property
     def input_dim(self) -> int:
@@ -72,12 +82,22 @@ class RankerMLP(nn.Module):
 
     def forward(self, features: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """features: float [rows, 80] (normalised); context: int64 [rows, fields] -> [rows]."""
+        return self.head_forward(self.backbone_forward(features, context))
+
+    def backbone_forward(self, features: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The embeddings and the blocks below the head's: [rows, hidden_dim]."""
         parts = [features.to(self.head.weight.dtype)]
         for i, emb in enumerate(self.context_embeddings.values()):
             parts.append(emb(context[:, i]))
         h = torch.cat(parts, dim=1)
-        for block in self.blocks:
-            h = torch.relu(block(h))
+        for block in self.blocks[: self.params.num_layers - self.params.head_layers]:
+            h = block(h).relu_()  # in place: one activation fewer alive per layer
+        return h
+
+    def head_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's blocks and the output layer: [rows]."""
+        for block in self.blocks[self.params.num_layers - self.params.head_layers :]:
+            h = block(h).relu_()
         return self.head(h).squeeze(-1)
 
 
@@ -97,6 +117,14 @@ class RankerMlpNetwork:
 
     def forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["features"], batch["context"])
+
+    def backbone_forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        assert isinstance(model, RankerMLP)
+        return model.backbone_forward(batch["features"], batch["context"])
+
+    def head_forward(self, model: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        assert isinstance(model, RankerMLP)
+        return model.head_forward(features)
 
     def representative_batches(
         self, preprocessing: Any, seed: int = 20261008

@@ -35,4 +35,6 @@ FAMILY: Final = ModelFamily(
     architectures=ARCHITECTURES,
     schema=SCHEMA,
     network_path="app.models.two_tower.network:NETWORK",
+    # The scoring layer: a head artifact retrains it over a resident backbone.
+    head=lambda params: ("head.",),
 )

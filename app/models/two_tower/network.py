@@ -81,13 +81,26 @@ class TwoTower(nn.Module):
     ) -> torch.Tensor:
         """query: float [requests, 16]; context: int64 [requests, fields]; features: float
         [rows, 24]; request_index: int64 [rows] -> one logit per row."""
+        return self.head_forward(self.backbone_forward(query, context, features, request_index))
+
+    def backbone_forward(
+        self,
+        query: torch.Tensor,
+        context: torch.Tensor,
+        features: torch.Tensor,
+        request_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """The towers: each row's user embedding times its item's, [rows, embed_dim]."""
         dtype = self.head.weight.dtype
         parts = [query.to(dtype)]
         for i, emb in enumerate(self.context_embeddings.values()):
             parts.append(emb(context[:, i]))
         user = self.user_tower(torch.cat(parts, dim=1))  # once per request
         items = self.item_tower(features.to(dtype))  # once per item
-        return self.head(user[request_index] * items).squeeze(-1)
+        return user[request_index] * items
+
+    def head_forward(self, product: torch.Tensor) -> torch.Tensor:
+        return self.head(product).squeeze(-1)
 
 
 class TwoTowerNetwork:
@@ -96,6 +109,16 @@ class TwoTowerNetwork:
 
     def forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return model(batch["query"], batch["context"], batch["features"], batch["request_index"])
+
+    def backbone_forward(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        assert isinstance(model, TwoTower)
+        return model.backbone_forward(
+            batch["query"], batch["context"], batch["features"], batch["request_index"]
+        )
+
+    def head_forward(self, model: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        assert isinstance(model, TwoTower)
+        return model.head_forward(features)
 
     def representative_batches(
         self, preprocessing: Any, seed: int = 20261201
