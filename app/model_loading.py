@@ -94,7 +94,8 @@ class BackboneShelf:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._resident: dict[tuple[str, str], tuple[ResidentBackbone, Lease]] = {}
+        self._resident: dict[tuple[str, str], ResidentBackbone] = {}
+        self._leases: dict[int, Lease] = {}  # id(backbone) -> its cache entry's lease
 
     def acquire(self, ref: BackboneRef) -> ResidentBackbone | None:
         with self._lock:
@@ -102,7 +103,7 @@ class BackboneShelf:
         if found is None:
             return None
         try:
-            return found[0].acquire()
+            return found.acquire()
         except BackboneFreed:  # its last user let it go meanwhile
             return None
 
@@ -110,23 +111,25 @@ class BackboneShelf:
         """Shelve a freshly loaded backbone; returns it with one use for the caller."""
         backbone.acquire()
         with self._lock:
-            self._resident[(backbone.artifact_id, backbone.manifest_sha256)] = (backbone, lease)
+            self._resident[(backbone.artifact_id, backbone.manifest_sha256)] = backbone
+            self._leases[id(backbone)] = lease
         return backbone
 
     def freed(self, backbone: ResidentBackbone) -> None:
-        """``ResidentBackbone.on_free``: its last user released it."""
+        """``ResidentBackbone.on_free``: its last user released it (its lease goes too,
+        whether or not another load of the same backbone took its place meanwhile)."""
         key = (backbone.artifact_id, backbone.manifest_sha256)
         with self._lock:
-            found = self._resident.get(key)
-            if found is None or found[0] is not backbone:
-                return
-            del self._resident[key]
-        found[1].release()
+            if self._resident.get(key) is backbone:
+                del self._resident[key]
+            lease = self._leases.pop(id(backbone), None)
+        if lease is not None:
+            lease.release()
 
     @property
     def resident(self) -> list[ResidentBackbone]:
         with self._lock:
-            return [backbone for backbone, _ in self._resident.values()]
+            return list(self._resident.values())
 
 
 class ModelLoader:

@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from queue import SimpleQueue
 from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
@@ -195,6 +196,57 @@ class ReconcilerSnapshot:
     loading: Target | None = None  # the target of that load
 
 
+class LoweredThread:
+    """A thread that lowers its own priority once (``lower_thread_priority``) and then runs
+    the loads handed to it, one at a time, each from the thread that hands it over: kept for
+    the next load of the same priority, so what a thread keeps after its first forward (the
+    math library's per-thread buffers, several MiB on a wide model) is paid once per
+    replica, not again in every swap."""
+
+    def __init__(self, name: str, increment: int, idle: bool) -> None:
+        self._jobs: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+        self._lowered = threading.Event()
+        self.said = ""
+        self._thread = threading.Thread(
+            target=self._serve, args=(increment, idle), name=name, daemon=True
+        )
+        self._thread.start()
+        self._lowered.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _serve(self, increment: int, idle: bool) -> None:
+        try:
+            self.said = lower_thread_priority(increment, idle=idle)
+        finally:
+            self._lowered.set()
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run ``job`` there and wait for it; what it raises is raised here."""
+        done = threading.Event()
+        raised: list[BaseException] = []
+
+        def wrapped() -> None:
+            try:
+                job()
+            except BaseException as exc:  # re-raised in the caller, which handles failures
+                raised.append(exc)
+            finally:
+                done.set()
+
+        self._jobs.put(wrapped)
+        done.wait()
+        if raised:
+            raise raised[0]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
 def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
     """Make the calling thread yield the CPU to everything else; says what it did.
 
@@ -256,6 +308,8 @@ class Reconciler(Generic[M]):
         self._loading: Target | None = None  # its target
         self._closed = False
         self._worker: threading.Thread | None = None
+        # The threads loads run on, by whether nothing is served here (SCHED_IDLE) or not.
+        self._load_threads: dict[bool, LoweredThread] = {}
         self._worker_restarts = 0
         self._worker_crash: ErrorInfo | None = None
         # Loads run beside live traffic on the same cores: with a positive ``worker_nice``
@@ -467,9 +521,10 @@ class Reconciler(Generic[M]):
                     self._cond.notify_all()
 
     def _run_load(self, target: Target, attempt: int) -> None:
-        """One background attempt, on a thread of its own at a priority that fits what this
-        replica does meanwhile (a thread may lower its priority but not always raise it again,
-        so each load starts from the worker's own).
+        """One background attempt, on a thread at a priority that fits what this replica does
+        meanwhile: one kept thread per priority (a thread may lower its priority but not
+        always raise it again, so each priority has a thread of its own, lowered from the
+        worker's once; ``LoweredThread``).
 
         Nothing served here (an idle pool, a replica whose target was cleared): SCHED_IDLE,
         everything else on the host goes first. A model served here: niceness, because the
@@ -485,21 +540,12 @@ class Reconciler(Generic[M]):
             return
         with self._cond:
             idle = self._actual is None
-        failure: list[Exception] = []
-
-        def lowered() -> None:
-            said = lower_thread_priority(self._worker_nice, idle=idle)
-            log.debug("%s: load of revision %d at %s", self._name, target.revision, said)
-            try:
-                self._attempt(target, attempt)
-            except Exception as exc:  # re-raised in the worker, which handles failures
-                failure.append(exc)
-
-        thread = threading.Thread(target=lowered, name=f"{self._name}-load", daemon=True)
-        thread.start()
-        thread.join()
-        if failure:
-            raise failure[0]
+            runner = self._load_threads.get(idle)
+            if runner is None or not runner.alive:
+                name = f"{self._name}-load" + ("-idle" if idle else "")
+                runner = self._load_threads[idle] = LoweredThread(name, self._worker_nice, idle)
+        log.debug("%s: load of revision %d at %s", self._name, target.revision, runner.said)
+        runner.run(lambda: self._attempt(target, attempt))
 
     def _attempt(self, target: Target, attempt: int) -> None:
         """Load, re-check desired, install; raises what the load raised."""
@@ -627,5 +673,8 @@ class Reconciler(Generic[M]):
             self._cancel_load("the replica is shutting down")
             self._cond.notify_all()
             worker = self._worker
+            runners = list(self._load_threads.values())
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout)
+        for runner in runners:
+            runner.stop()

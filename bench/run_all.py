@@ -57,6 +57,7 @@ def main() -> None:
     rows += run("bench_rollout.py", "--rounds", "1" if quick else "3")
     rows += run("bench_judge.py", *(["--quick"] if quick else []))
     rows += run("bench_shadow.py", *(["--quick"] if quick else []))
+    rows += run("bench_head_swap.py", *(["--quick"] if quick else []))
     rows += run("bench_registry.py")
 
     width = max(len(r["measurement"]) for r in rows)
