@@ -741,7 +741,21 @@ class LoadedModel:
             scores = _sigmoid(logits.float().cpu().numpy())
             return [scores[offsets[i] : offsets[i + 1]] for i in range(len(requests))]
 
-        for batch in network.representative_batches(self.preprocessing):
+        batches = network.representative_batches(self.preprocessing)
+        if self.backbone is not None and batches:
+            # The dry run of a head computes the family's two halves; what serves requests is
+            # its forward. They must agree (``SplitForward``): checked on the smallest batch.
+            smallest = min(batches, key=len)
+            split = _sigmoid(self._dry_run_logits(smallest)[0].float().cpu().numpy())
+            whole = _sigmoid(self._logits(smallest)[0].float().cpu().numpy())
+            gap = float(np.max(np.abs(split - whole))) if split.size else 0.0
+            if split.shape != whole.shape or not gap <= tol:
+                raise ArtifactRejected(
+                    "dry_run",
+                    f"the family's backbone and head halves score {gap:.3g} apart from its "
+                    f"forward (tol {tol})",
+                )
+        for batch in batches:
             checkpoint(control)
             logits, offsets = self._dry_run_logits(batch)
             rows = int(offsets[-1])

@@ -13,6 +13,7 @@ import math
 import posixpath
 import unicodedata
 from typing import Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -197,12 +198,21 @@ _RESERVED_KEYS: Final = frozenset(
 def backbone_manifest_uri(head_manifest_uri: str, backbone: BackboneRef) -> str:
     """Where a head's backbone lies: the directory beside the head's, named by the backbone's
     artifact id (``s3://bucket/models/head-7/manifest.json`` ->
-    ``s3://bucket/models/rb-1/manifest.json``). Any scheme; the query or fragment of a URL
-    is not carried over."""
-    base = head_manifest_uri.split("?", 1)[0].split("#", 1)[0]
-    head_dir = base.rsplit("/", 1)[0]
-    store = head_dir.rsplit("/", 1)[0]
-    return f"{store}/{backbone.artifact_id}/{MANIFEST_NAME}"
+    ``s3://bucket/models/rb-1/manifest.json``), in the same bucket or host. Any scheme; the
+    query or fragment of a URL (a presigned URL's signature) is not carried over.
+    ArtifactRejected("backbone") when the head's directory has nothing above it in that
+    bucket or host (``s3://bucket/manifest.json``): there is no "beside"."""
+    parts = urlsplit(head_manifest_uri)
+    head_dir = posixpath.dirname(parts.path)
+    if head_dir in ("", "/"):
+        raise ArtifactRejected(
+            "backbone",
+            f"the head's manifest {parts.scheme + '://' if parts.scheme else ''}"
+            f"{parts.netloc}{parts.path} is not in a directory of its own, so no backbone "
+            "can lie beside it",
+        )
+    path = posixpath.join(posixpath.dirname(head_dir), backbone.artifact_id, MANIFEST_NAME)
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def check_relative_path(path: str) -> str:

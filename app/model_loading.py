@@ -39,6 +39,9 @@ from app.model_family import DEFAULT_FAMILIES, Families, families_for
 
 # What a loader reading a verified cache entry finds when the entry's bytes changed since.
 CACHED_BYTES_CHANGED: Final = frozenset({"size", "digest"})
+# Refusals of a head's backbone that a later attempt may not meet (app.reconciler retries
+# them): kept as they are rather than made a final ``backbone`` refusal.
+RETRYABLE_BACKBONE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
 
 
 @dataclass
@@ -222,7 +225,11 @@ class ModelLoader:
         except ArtifactRejected as exc:
             prepared.abandon()
             lease.release()
-            if exc.category in CACHED_BYTES_CHANGED and artifact_read:
+            if (
+                exc.category in CACHED_BYTES_CHANGED
+                and artifact_read
+                and exc.artifact_id in (None, target.artifact_id)  # not its backbone's
+            ):
                 # The cached copy changed after it was verified (disk rot, a hand edit): the
                 # retry must read the source, not the same bad entry.
                 cache.set_aside(target.manifest_sha256)
@@ -333,13 +340,19 @@ def load_pinned_backbone(
 ) -> PinnedBackbone:
     """Fetch, verify and load the backbone ``head`` pins from beside the head in its store
     (``app.manifest.backbone_manifest_uri``), within ``budget`` beside ``resident_bytes``.
-    ArtifactRejected("backbone") when it cannot be had; a cache entry whose bytes changed
-    after they were verified is set aside and its ``size``/``digest`` refusal kept (a retry
-    reads the source)."""
+
+    What a retry may cure keeps its (retryable) category, named for the backbone: ``budget``,
+    ``missing``, and ``size``/``digest`` (bytes flipped in transit, or a cache entry changed
+    after it was verified, which is set aside so the retry reads the source). Anything else
+    is ArtifactRejected("backbone") of the head: a backbone that is not one, of another id,
+    that the service cannot load."""
     ref = head.backbone
     if ref is None:
         raise ValueError(f"{head.artifact_id} is no head")
-    uri = backbone_manifest_uri(head_manifest_uri, ref)
+    try:
+        uri = backbone_manifest_uri(head_manifest_uri, ref)
+    except ArtifactRejected as exc:
+        raise ArtifactRejected(exc.category, exc.detail, artifact_id=head.artifact_id) from None
     lease = cache.lease(ref.manifest_sha256)
     read_started = False
 
@@ -369,12 +382,17 @@ def load_pinned_backbone(
         lease.release()
         if exc.category in CACHED_BYTES_CHANGED and read_started:
             cache.set_aside(ref.manifest_sha256)
-            raise
-        raise ArtifactRejected(
-            "backbone",
+        where = (
             f"head pins backbone {ref.artifact_id} ({ref.manifest_sha256[:12]}), which is not "
-            f"resident and cannot be loaded from {shown_uri(uri)}: {exc}",
-            artifact_id=head.artifact_id,
+            f"resident and cannot be loaded from {shown_uri(uri)}"
+        )
+        if exc.category in RETRYABLE_BACKBONE_CATEGORIES:
+            # The backbone's id on it: the head's own cache entry is not what changed.
+            raise ArtifactRejected(
+                exc.category, f"{where}: {exc.detail}", artifact_id=ref.artifact_id
+            ) from None
+        raise ArtifactRejected(
+            "backbone", f"{where}: {exc}", artifact_id=head.artifact_id
         ) from None
     except BaseException:
         lease.release()

@@ -233,8 +233,10 @@ class LoweredThread:
         def wrapped() -> None:
             try:
                 job()
-            except BaseException as exc:  # re-raised in the caller, which handles failures
+            except Exception as exc:  # re-raised in the caller, which handles failures
                 raised.append(exc)
+            except BaseException:  # as a thread of its own would: logged, the worker goes on
+                log.exception("%s: a load ended with a BaseException", self._thread.name)
             finally:
                 done.set()
 
@@ -541,9 +543,18 @@ class Reconciler(Generic[M]):
         with self._cond:
             idle = self._actual is None
             runner = self._load_threads.get(idle)
-            if runner is None or not runner.alive:
-                name = f"{self._name}-load" + ("-idle" if idle else "")
-                runner = self._load_threads[idle] = LoweredThread(name, self._worker_nice, idle)
+            closed = self._closed
+        if closed:
+            self._attempt(target, attempt)  # stops at once: no thread left behind by close
+            return
+        if runner is None or not runner.alive:
+            # Started outside the lock: the new thread lowers its priority before it says so.
+            name = f"{self._name}-load" + ("-idle" if idle else "")
+            runner = LoweredThread(name, self._worker_nice, idle)
+            with self._cond:
+                self._load_threads[idle] = runner
+                if self._closed:  # close() took its list before this one was added
+                    runner.stop()
         log.debug("%s: load of revision %d at %s", self._name, target.revision, runner.said)
         runner.run(lambda: self._attempt(target, attempt))
 

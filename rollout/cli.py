@@ -375,11 +375,16 @@ def _fetch_servable(
     from app.load_control import LoadControl
     from rollout.progress_bar import watching
 
-    with watching(LoadControl(), bars) as control:
-        artifact = cache.fetch_verified(
-            manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
-        )
-    servable(artifact.manifest)
+    try:
+        with watching(LoadControl(), bars) as control:
+            artifact = cache.fetch_verified(
+                manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
+            )
+        servable(artifact.manifest)
+    except BaseException:
+        if prepared is not None:
+            prepared.abandon()  # a head's use of its backbone, and that one's cache lease
+        raise
     return artifact
 
 

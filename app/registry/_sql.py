@@ -26,7 +26,14 @@ from typing import Any, Final, Protocol, Self
 
 from app.artifact_store import fetch_manifest
 from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
-from app.errors import DigestMismatch, InvalidState, NotFound, RevisionConflict, SchemaVersionError
+from app.errors import (
+    ArtifactRejected,
+    DigestMismatch,
+    InvalidState,
+    NotFound,
+    RevisionConflict,
+    SchemaVersionError,
+)
 from app.manifest import BackboneRef, Manifest, backbone_manifest_uri, is_sha256_hex
 from app.registry.base import (
     ArtifactAuditEntry,
@@ -698,6 +705,12 @@ class SqlRegistry(ABC):
                 artifact_id=aid,
             ) from None
         problem = None
+        try:
+            beside = backbone_manifest_uri(artifact["manifest_uri"], ref)
+        except ArtifactRejected as exc:
+            raise InvalidState(
+                f"head {model}/{aid}: {exc.detail}", model=model, artifact_id=aid
+            ) from None
         if backbone["kind"] != "backbone":
             problem = f"is a {backbone['kind']} artifact, not a backbone"
         elif backbone["manifest_sha256"] != ref.manifest_sha256:
@@ -707,10 +720,10 @@ class SqlRegistry(ABC):
             )
         elif backbone["state"] != "ready":
             problem = f"is {backbone['state']}, not ready; approve it first"
-        elif backbone["manifest_uri"] != backbone_manifest_uri(artifact["manifest_uri"], ref):
+        elif backbone["manifest_uri"] != beside:
             problem = (
                 f"is registered at {backbone['manifest_uri']}; replicas look for it beside the "
-                f"head, at {backbone_manifest_uri(artifact['manifest_uri'], ref)}"
+                f"head, at {beside}"
             )
         if problem is not None:
             raise InvalidState(

@@ -167,6 +167,17 @@ def test_the_backbone_lies_beside_its_head_in_any_store() -> None:
         backbone_manifest_uri("file:///srv/a/head-7/manifest.json", ref)
         == "file:///srv/a/rb-1/manifest.json"
     )
+    assert (
+        backbone_manifest_uri("https://h.example/m/head-7/manifest.json?X-Sig=abc", ref)
+        == "https://h.example/m/rb-1/manifest.json"
+    )
+    assert backbone_manifest_uri("s3://bucket/head-7/manifest.json", ref) == (
+        "s3://bucket/rb-1/manifest.json"
+    )
+    # A head at the top of its bucket has no "beside": never another bucket.
+    with pytest.raises(ArtifactRejected, match="not in a directory of its own") as info:
+        backbone_manifest_uri("s3://bucket/manifest.json", ref)
+    assert info.value.category == "backbone"
 
 
 # --------------------------------------------------------------------------- loading
@@ -261,6 +272,23 @@ def test_a_dry_run_that_writes_the_shared_backbone_is_refused(
     assert info.value.category == "dry_run"
     assert backbone.uses == 1  # the refused head gave its use back; h1 still holds one
     h1.close()
+
+
+def test_a_family_whose_halves_disagree_with_its_forward_is_refused(
+    packed: dict[str, PackResult], tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    network = FAMILIES.resolve(ARCHS[family])[0].network
+    original = type(network).head_forward
+
+    def shifted(self: Any, model: Any, features: Any) -> Any:
+        return original(self, model, features) + 1.0  # what requests get is forward's
+
+    monkeypatch.setattr(type(network), "head_forward", shifted)
+    cache = ArtifactCache(tmp_path / "cache")
+    shelf = Shelf(cache, packed["h1"].manifest_uri)
+    with pytest.raises(ArtifactRejected, match=r"halves score .* apart") as info:
+        load_verified(fetch(cache, packed["h1"]), backbones=shelf)
+    assert info.value.category == "dry_run"
 
 
 def test_a_head_without_a_backbone_source_or_on_another_backbone_is_refused(
@@ -398,9 +426,14 @@ def test_a_replica_refuses_a_head_whose_backbone_cannot_be_had_and_keeps_serving
     )
     shutil.rmtree(orphan.backbone.out_dir)
     assert replica.reconfigure(config(tmp_path, family, orphan.heads[0], 2))
-    wait_until(lambda: replica.report().last_error is not None, 30.0, "the refusal")
+    wait_until(
+        lambda: replica.report().phase.value == "failed", 30.0, "the refusal, after its retry"
+    )
     err = replica.report().last_error
-    assert err is not None and err.category == "backbone" and "b9" in err.message
+    # Missing is retryable (it may yet be published there): retried, then reported as such,
+    # naming the backbone and where it was looked for.
+    assert err is not None and err.category == "missing", err
+    assert "backbone b9" in err.message and "cannot be loaded from" in err.message
     assert replica._holder.current is serving
     assert replica.rank(requests).model.artifact_id == "h1"
     (backbone,) = replica._loader.backbones.resident
