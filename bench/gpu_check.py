@@ -7,21 +7,30 @@ Packs a multi-GB ranker artifact, then measures on the device:
   load and dry run; the dry run is timed apart, with ``torch.cuda.synchronize``;
 - a generation swap under a concurrent request loop (the old generation is freed only after
   its CUDA event): requests answered and failed, p99 before and during the swap;
-- a double-buffered load the budget refuses (``budget``), the serving model untouched.
+- a double-buffered load the budget refuses (``budget``), the serving model untouched;
+- batching: the replica's throughput with ``@serve.batch``'s behaviour (concurrent calls
+  merged into one forward, up to 32, 2 ms wait) against the same replica unbatched, at equal
+  p99, on the default (demo) model and on the multi-GB one.
 
-Each load runs in a process of its own, so its peak RSS is its own. Prints one JSON line.
+Each load runs in a process of its own, so its peak RSS is its own. Each step's figures go to
+stderr as it ends (a run cut short still tells what it measured); the last line on stdout is
+one JSON object of all of them.
 Without CUDA it says so and exits 0, unless ``--device cpu`` asks to run the same steps on
 the CPU (a smoke test of this script).
 
     .venv/bin/python bench/gpu_check.py [--gib 8] [--device cuda|cpu] [--swap-seconds 20]
+        [--batch-seconds 3] [--tmp DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import queue
+import shutil
 import statistics
 import subprocess
 import sys
@@ -126,25 +135,46 @@ def probe(cache_root: Path, packed, device: torch.device) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def swap_under_load(root: Path, first, second, device: torch.device, seconds: float) -> dict:
-    """A replica serving ``first`` while a loop of requests runs; ``second`` loaded and
-    installed meanwhile; then a double-buffered load the budget refuses."""
+def step(name: str, figures: dict) -> dict:
+    """A step's figures on stderr as soon as it ends, so a run cut short still reports."""
+    print(f"gpu_check: {name}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+    return figures
+
+
+def sha256_gib_s() -> float:
+    """This host's single-thread SHA-256 rate: a load hashes every byte it reads with it."""
+    data = os.urandom(256 << 20)
+    started = time.perf_counter()
+    for _ in range(4):
+        hashlib.sha256(data).digest()
+    return 4 * 256 / 1024 / (time.perf_counter() - started)
+
+
+def rank_request(rng, candidates: int):
     import numpy as np
 
     from app.contracts import WireRequest
     from app.models.ranker_mlp.features import NUM_FEATURES
-    from app.replica import RankerReplica
 
-    replica = RankerReplica("gpu-check", device=device, loader_nice=0)
-    config = {"cohort": "stable", "cache_dir": str(root / "swap-cache")}
-    replica.reconfigure({**config, "target": first.target(1).model_dump(mode="json")})
-    rng = np.random.default_rng(0)
-    request = WireRequest(
-        tuple(f"c{i}" for i in range(32)),
-        rng.normal(size=(32, NUM_FEATURES)).astype(np.float32),
+    return WireRequest(
+        tuple(f"c{i}" for i in range(candidates)),
+        rng.normal(size=(candidates, NUM_FEATURES)).astype(np.float32),
         {},
         10,
     )
+
+
+def p99_ms(xs: list[float]) -> float | None:
+    return round(1000 * sorted(xs)[int(0.99 * (len(xs) - 1))], 2) if xs else None
+
+
+def swap_under_load(replica, config: dict, first, second, seconds: float) -> dict:
+    """``replica`` serving ``first`` while a loop of requests runs; ``second`` loaded and
+    installed meanwhile; then a double-buffered load the budget refuses."""
+    import numpy as np
+
+    replica.reconfigure({**config, "target": first.target(1).model_dump(mode="json")})
+    request = rank_request(np.random.default_rng(0), 32)
     latencies: dict[str, list[float]] = {"before": [], "during": []}
     failures = {"before": 0, "during": 0}
     phase = ["before"]
@@ -189,11 +219,6 @@ def swap_under_load(root: Path, first, second, device: torch.device, seconds: fl
     report = replica.report()
     refused = report.last_error.category if report.last_error is not None else None
     still_serving = replica.rank([request]).model.artifact_id
-    replica.close()
-
-    def p99(xs: list[float]) -> float | None:
-        return round(1000 * sorted(xs)[int(0.99 * (len(xs) - 1))], 2) if xs else None
-
     return {
         "swap_installed": installed,
         "swap_s": round(swap_s, 2),
@@ -201,8 +226,8 @@ def swap_under_load(root: Path, first, second, device: torch.device, seconds: fl
         "requests_during": len(latencies["during"]),
         "failed_before": failures["before"],
         "failed_during": failures["during"],
-        "p99_ms_before": p99(latencies["before"]),
-        "p99_ms_during": p99(latencies["during"]),
+        "p99_ms_before": p99_ms(latencies["before"]),
+        "p99_ms_during": p99_ms(latencies["during"]),
         "median_ms_before": round(1000 * statistics.median(latencies["before"]), 2)
         if latencies["before"]
         else None,
@@ -211,11 +236,138 @@ def swap_under_load(root: Path, first, second, device: torch.device, seconds: fl
     }
 
 
+class CallBatcher:
+    """What ``@serve.batch`` does on a replica, in this process: one serving thread takes
+    the first waiting call, then more for up to ``wait_s`` (at most ``max_batch`` calls in
+    all), and runs them as one forward; ``max_batch`` 1 is the unbatched replica. (The
+    deployment's ``_forward`` runs the same ``RankerReplica.rank`` over the merged calls.)"""
+
+    def __init__(self, replica, max_batch: int, wait_s: float = 0.002) -> None:
+        self._replica = replica
+        self._max_batch = max_batch
+        self._wait_s = wait_s
+        self._calls: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def rank(self, requests: list) -> None:
+        done = threading.Event()
+        slot: list = [done, None]
+        self._calls.put((requests, slot))
+        done.wait()
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                calls = [self._calls.get(timeout=0.1)]
+            except queue.Empty:
+                continue
+            deadline = time.perf_counter() + self._wait_s
+            while len(calls) < self._max_batch:
+                left = deadline - time.perf_counter()
+                try:
+                    calls.append(
+                        self._calls.get(timeout=left) if left > 0 else self._calls.get_nowait()
+                    )
+                except queue.Empty:
+                    break
+            flat = [request for requests, _ in calls for request in requests]
+            try:
+                self._replica.rank(flat)
+                outcome = None
+            except Exception as exc:  # handed to every caller of this forward
+                outcome = exc
+            for _, slot in calls:
+                slot[1] = outcome
+                slot[0].set()
+
+
+def batching_at_equal_p99(replica, levels: list[int], seconds: float) -> dict:
+    """Closed-loop clients (16 candidates a request) at each concurrency level against the
+    replica batched (32 calls, 2 ms) and unbatched, alternating which goes first. "At equal
+    p99": the unbatched replica's best throughput and its p99 there, against the batched
+    replica's best throughput at a p99 no worse (as bench/bench_batching.py over Serve)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    requests = [rank_request(rng, 16) for _ in range(64)]
+    results: dict[str, dict[int, dict]] = {"batched": {}, "unbatched": {}}
+
+    def run_level(batcher: CallBatcher, clients: int, duration: float) -> dict:
+        latencies: list[list[float]] = [[] for _ in range(clients)]
+        errors = [0] * clients
+        stop = threading.Event()
+
+        def client(i: int) -> None:
+            j = i
+            while not stop.is_set():
+                started = time.perf_counter()
+                try:
+                    batcher.rank([requests[j % len(requests)]])
+                    latencies[i].append(time.perf_counter() - started)
+                except Exception:  # counted
+                    errors[i] += 1
+                j += clients
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(duration)
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - started
+        flat = [x for xs in latencies for x in xs]
+        return {
+            "rps": round(len(flat) / elapsed, 1),
+            "p50_ms": round(1000 * statistics.median(flat), 2) if flat else None,
+            "p99_ms": p99_ms(flat),
+            "errors": sum(errors),
+        }
+
+    batchers = {"batched": CallBatcher(replica, 32), "unbatched": CallBatcher(replica, 1)}
+    try:
+        for batcher in batchers.values():
+            run_level(batcher, 4, min(1.0, seconds))  # warm-up
+        for i, level in enumerate(levels):
+            order = ("batched", "unbatched") if i % 2 == 0 else ("unbatched", "batched")
+            for name in order:
+                results[name][level] = run_level(batchers[name], level, seconds)
+    finally:
+        for batcher in batchers.values():
+            batcher.close()
+    unbatched_best = max(results["unbatched"].values(), key=lambda r: r["rps"])
+    budget = unbatched_best["p99_ms"]
+    within = [r for r in results["batched"].values() if r["p99_ms"] <= budget]
+    batched_best = max(within, key=lambda r: r["rps"]) if within else None
+    batched_rps = batched_best["rps"] if batched_best else 0.0
+    return {
+        "unbatched_rps": unbatched_best["rps"],
+        "unbatched_p99_ms": budget,
+        "batched_rps": batched_rps,
+        "batched_p99_ms": batched_best["p99_ms"] if batched_best else None,
+        "ratio": round(batched_rps / unbatched_best["rps"], 2) if unbatched_best["rps"] else None,
+        "errors": sum(r["errors"] for rs in results.values() for r in rs.values()),
+        "levels": {name: {str(k): v for k, v in rs.items()} for name, rs in results.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0, help="weights size (default 8)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--swap-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--batch-seconds", type=float, default=3.0, help="per batching load level (0: skip)"
+    )
     parser.add_argument("--tmp", default=None, help="where to write the artifacts (disk)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -227,49 +379,100 @@ def main() -> None:
     from app.demo_artifacts import DEMO_MODEL, write_ranker_source
     from app.models.ranker_mlp.features import FEATURE_SCHEMA
     from app.packing import pack_artifact
+    from app.replica import RankerReplica
 
     hidden = HIDDEN if args.gib >= 1 else 1024
     layers = max(1, math.ceil(args.gib * (1 << 30) / (hidden * hidden * 4))) + 1
     figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "host_cpus": os.cpu_count(),
     }
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=args.tmp or "/var/tmp") as tmp:
         root = Path(tmp)
         started = time.perf_counter()
-        packed = []
-        for seed, name in ((1, "gpu-a"), (2, "gpu-b")):
+
+        def pack(seed: int, name: str, params: dict | None):
             src = root / f"src-{name}"
-            params = {"hidden_dim": hidden, "num_layers": layers, "context_dim": 16}
             write_ranker_source(src, seed=seed, params=params)
-            packed.append(
-                pack_artifact(src, root / name, model=DEMO_MODEL, artifact_id=name,
-                              feature_schema=FEATURE_SCHEMA)
-            )  # fmt: skip
-        figures["pack_s"] = round(time.perf_counter() - started, 1)
+            packed = pack_artifact(
+                src, root / name, model=DEMO_MODEL, artifact_id=name, feature_schema=FEATURE_SCHEMA
+            )
+            shutil.rmtree(src)  # the disk holds the packed copies only
+            return packed
+
+        large = {"hidden_dim": hidden, "num_layers": layers, "context_dim": 16}
+        packed = [pack(1, "gpu-a", large), pack(2, "gpu-b", large)]
+        small = pack(3, "gpu-default", None)  # the demo model's architecture
         weights_file = packed[0].out_dir / "weights.safetensors"
-        figures["weights_gib"] = round(weights_file.stat().st_size / (1 << 30), 3)
-        figures["disk_read_gib_s"] = round(disk_read_gib_s(weights_file), 3)
+        figures.update(
+            step(
+                "pack",
+                {
+                    "pack_s": round(time.perf_counter() - started, 1),
+                    "weights_gib": round(weights_file.stat().st_size / (1 << 30), 3),
+                },
+            )
+        )
         h2d = h2d_gib_s(device)
-        figures["h2d_gib_s"] = round(h2d, 2) if h2d is not None else None
+        figures.update(
+            step(
+                "bandwidth",
+                {
+                    "disk_read_gib_s": round(disk_read_gib_s(weights_file), 3),
+                    "h2d_gib_s": round(h2d, 2) if h2d is not None else None,
+                    "sha256_gib_s": round(sha256_gib_s(), 3),
+                },
+            )
+        )
 
         cache_root = root / "cache"
         drop_from_page_cache(sorted(packed[0].out_dir.iterdir()))
-        cold = probe(cache_root, packed[0], device)
-        warm = probe(cache_root, packed[0], device)
-        weights = cold["weights"]
-        for name, run in (("cold", cold), ("warm", warm)):
-            figures[f"{name}_load_s"] = round(run["load_s"], 2)
-            figures[f"{name}_dry_run_s"] = round(run["dry_run_s"], 3)
-            figures[f"{name}_host_peak_ratio"] = round(run["host_peak_added"] / weights, 3)
+        loads: dict[str, object] = {}
+        for name in ("cold", "warm"):
+            run = probe(cache_root, packed[0], device)
+            weights = run["weights"]
+            loads[f"{name}_load_s"] = round(run["load_s"], 2)
+            loads[f"{name}_dry_run_s"] = round(run["dry_run_s"], 3)
+            loads[f"{name}_host_peak_ratio"] = round(run["host_peak_added"] / weights, 3)
             for key in ("device_allocated_peak", "device_reserved_peak"):
                 value = run[key]
-                figures[f"{name}_{key}_ratio"] = (
+                loads[f"{name}_{key}_ratio"] = (
                     round(value / weights, 3) if value is not None else None
                 )
+        shutil.rmtree(cache_root)
         disk_s = figures["weights_gib"] / figures["disk_read_gib_s"]  # type: ignore[operator]
-        figures["cold_load_vs_disk_read"] = round(cold["load_s"] / disk_s, 2)
-        figures.update(swap_under_load(root, packed[0], packed[1], device, args.swap_seconds))
+        loads["cold_load_vs_disk_read"] = round(loads["cold_load_s"] / disk_s, 2)  # type: ignore[operator]
+        if h2d is not None:
+            h2d_s = figures["weights_gib"] / h2d  # type: ignore[operator]
+            loads["warm_load_vs_h2d"] = round(loads["warm_load_s"] / h2d_s, 2)  # type: ignore[operator]
+        figures.update(step("loads", loads))
+
+        replica = RankerReplica("gpu-check", device=device, loader_nice=0)
+        config = {"cohort": "stable", "cache_dir": str(root / "swap-cache")}
+        try:
+            figures.update(
+                step(
+                    "swap",
+                    swap_under_load(replica, config, packed[0], packed[1], args.swap_seconds),
+                )
+            )
+            if args.batch_seconds > 0:
+                levels = [4, 16, 32, 64]
+                large_batching = batching_at_equal_p99(replica, levels, args.batch_seconds)
+                replica.reconfigure({**config, "target": small.target(4).model_dump(mode="json")})
+                deadline = time.monotonic() + 600
+                while replica.report().actual_revision != 4 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                default_batching = batching_at_equal_p99(replica, levels, args.batch_seconds)
+                figures.update(
+                    step(
+                        "batching",
+                        {"batching_large": large_batching, "batching_default": default_batching},
+                    )
+                )
+        finally:
+            replica.close()
     print(json.dumps(figures))
 
 

@@ -29,7 +29,10 @@ def test_without_cuda_it_says_so_and_exits_0() -> None:
 
 
 def test_its_steps_run_end_to_end_on_the_cpu(tmp_path: Path) -> None:
-    figures = run("--device", "cpu", "--gib", "0.02", "--swap-seconds", "2", "--tmp", str(tmp_path))
+    figures = run(
+        "--device", "cpu", "--gib", "0.02", "--swap-seconds", "2", "--batch-seconds", "0.3",
+        "--tmp", str(tmp_path),
+    )  # fmt: skip
     assert figures["device"] == "cpu" and figures["weights_gib"] > 0.01
     assert figures["swap_installed"] is True
     assert figures["failed_before"] == 0 and figures["failed_during"] == 0
@@ -37,3 +40,12 @@ def test_its_steps_run_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert figures["double_buffer_refused"] == "budget"
     assert figures["serving_after_refusal"] == "gpu-b"  # the refused load cost nothing
     assert figures["cold_load_s"] > 0 and figures["warm_load_s"] > 0
+    for model in ("batching_large", "batching_default"):
+        batching = figures[model]
+        assert batching["errors"] == 0
+        assert set(batching["levels"]) == {"batched", "unbatched"}
+        assert batching["unbatched_rps"] > 0 and batching["unbatched_p99_ms"] > 0
+        # Batched levels at a p99 no worse than the unbatched best are the comparison's basis.
+        assert batching["batched_p99_ms"] is None or (
+            batching["batched_p99_ms"] <= batching["unbatched_p99_ms"]
+        )
