@@ -112,6 +112,9 @@ MODEL: Final = "model"
 ROLLOUT_EVIDENCE: Final = "ranker_rollout_evidence"  # gauge {model, check, side}: e-value
 ROLLOUT_EVIDENCE_BOUND: Final = "ranker_rollout_evidence_bound"  # gauge {model, check, side}:
 #                                   the e-value at which that side decides (fail / pass / hold)
+DRIFT: Final = "drift"  # what drifted in Serve's config: rollout.serve_port's change names
+ROLLOUT_DRIFT_REPAIRS: Final = "ranker_rollout_drift_repairs"  # counter {model, drift}: Serve
+#                                   config settings the controller found changed and repaired
 
 
 def exported_name(name: str, *, kind: str) -> str:

@@ -162,6 +162,7 @@ class RolloutController:
                 self._ticks += 1
                 live = self.engine.live
                 self.metrics.publish(live.state if live is not None else None)
+                self.metrics.publish_drift(self.settings.model, self.engine.drift_repairs)
             except Exception as exc:  # the loop must outlive any one bad tick
                 self.engine.errors.append(f"tick: {type(exc).__name__}: {exc}")
                 log.exception("controller tick failed")

@@ -1,4 +1,5 @@
-"""What the controller actor exports to Ray's metrics: the sequential judge's evidence.
+"""What the controller actor exports to Ray's metrics: the sequential judge's evidence, and
+the drift repairs (Serve's config found changed behind the controller's back), by what drifted.
 
 One gauge per check and side, set after every tick from the active rollout's evidence (the
 threshold judge has none), so the dashboard can plot how the evidence against and for the
@@ -35,6 +36,20 @@ class ControllerMetrics:
         )
         # (model, check, side) of every series set for the rollout being judged.
         self._live: set[tuple[str, str, str]] = set()
+        self.drift_repairs = metrics.Counter(
+            t.ROLLOUT_DRIFT_REPAIRS,
+            description="Serve config settings found changed behind the controller and repaired",
+            tag_keys=(t.MODEL, t.DRIFT),
+        )
+        self._drift_counted: dict[str, int] = {}
+
+    def publish_drift(self, model: str, repairs: dict[str, int]) -> None:
+        """Count the repairs made since the last call (``repairs``: the engine's totals)."""
+        for what, total in repairs.items():
+            new = total - self._drift_counted.get(what, 0)
+            if new > 0:
+                self.drift_repairs.inc(new, tags={t.MODEL: model, t.DRIFT: what})
+            self._drift_counted[what] = total
 
     def publish(self, state: RolloutState | None) -> None:
         values: dict[tuple[str, str, str], tuple[float, float]] = {}

@@ -19,9 +19,17 @@ Targets only move by compare-and-set in the registry (``rollout.targets``), then
 Serve config. A target another writer moved is not overwritten: the rollout is aborted
 (weights to stable first) and that cohort's target is left to whoever moved it.
 
-At start-up the engine repairs drift: Serve's user_configs are set to the registry's targets
-(a stale ``serve deploy`` of an old config file is undone) and the router's weight to the
-active rollout's (0 without one).
+Drift repair, on every tick (rollout or not) and at start-up: Serve's user_configs are set to
+the registry's targets and the router's weight and mirroring to the active rollout's (0
+without one), the canary pool to the rollout's size. Serve's config changes behind the
+controller's back when an old config is applied again: a stale ``serve deploy``, or KubeRay
+resubmitting its cached ``serveConfigV2`` (after an operator restart or on a new head pod),
+which puts back the targets and weights the manifest was rendered with. The tick's one read of
+Serve shows it; one write repairs it, recorded as a ``drift`` event (and an alert). When the
+canary's side drifted during a rollout, its weight and mirroring are withdrawn until every
+canary replica reports the candidate ready again (``machine.after_drift``), since the replicas
+may be reloading; a stable target put back at an older revision changes nothing on the
+replicas, which ignore a late revision.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ from rollout.plan import RolloutPlan
 from rollout.reports import ReportStore, in_place_fits
 from rollout.serve_control import ServeUnreachable
 from rollout.serve_port import (
+    CANARY_REPLICAS,
     CANARY_TARGET,
     ROUTER_SHADOW,
     ROUTER_WEIGHT,
@@ -83,6 +92,7 @@ from rollout.serve_port import (
     ServeChange,
     ServePort,
     ServeState,
+    drift,
 )
 from rollout.shadow_judge import expectation_applies
 from rollout.state import RolloutState
@@ -101,6 +111,27 @@ def routing_of(action: SetShadow) -> ShadowRouting:
         top_k=action.top_k,
         rbo_p=action.rbo_p,
     )
+
+
+def describe_change(wanted: ServeChange, changed: frozenset[str]) -> list[str]:
+    """What a write of ``wanted`` changed, one line per setting, in words."""
+    lines = []
+    for cohort, what in ((STABLE, STABLE_TARGET), (CANARY, CANARY_TARGET)):
+        if what not in changed or cohort not in wanted.targets:
+            continue
+        target = wanted.targets[cohort]
+        lines.append(
+            f"{cohort} target -> {target.artifact_id} (rev {target.revision})"
+            if target is not None
+            else f"{cohort} target cleared"
+        )
+    if ROUTER_WEIGHT in changed and wanted.canary_bp is not None:
+        lines.append(f"router canary weight -> {wanted.canary_bp} bp")
+    if ROUTER_SHADOW in changed and wanted.shadow is not None:
+        lines.append(f"router shadow mirroring -> {wanted.shadow.fraction_bp} bp")
+    if CANARY_REPLICAS in changed and wanted.canary_replicas is not None:
+        lines.append(f"canary replicas -> {wanted.canary_replicas}")
+    return lines
 
 
 # A sample is on its node's metrics endpoint at most one export interval after the router
@@ -167,6 +198,11 @@ class RolloutEngine:
         self.last_window: WindowStats | None = None
         self.alerts: deque[str] = deque(maxlen=50)
         self.errors: deque[str] = deque(maxlen=50)
+        # Drift repairs so far, by what drifted (``STABLE_TARGET`` ...): exported as a counter.
+        self.drift_repairs: dict[str, int] = {}
+        # After the canary's target or size drifted, only reports sent since count towards
+        # its readiness: one from before may still say ready while the replica reloads.
+        self._canary_reports_since: float | None = None
 
     @property
     def live(self) -> LiveRollout | None:
@@ -196,37 +232,73 @@ class RolloutEngine:
             yield
 
     def reconcile_serve(self) -> list[str]:
-        """Drift repair: make Serve's user_configs say what the registry says, in one write.
-        Returns what was changed."""
+        """Drift repair: make Serve's user_configs say what the registry and the rollout say,
+        in one write. Returns what was changed."""
         with self._lock:
-            live = self._live
-            targets: dict[Cohort, Target | None] = {}
-            stable = self.targets.current(STABLE)
-            if stable is not None:
-                targets[STABLE] = stable.target()
-            canary: TargetRecord | None = None
-            if live is not None and live.state.canary_target is not None:
-                canary = self.targets.current(CANARY)
-            targets[CANARY] = canary.target() if canary is not None else None
-            bp = live.state.weights.canary_bp if live is not None else 0
-            shadow = shadow_routing(live.state) if live is not None else ShadowRouting()
-            changed = self.serve.write(ServeChange(targets=targets, canary_bp=bp, shadow=shadow))
-        lines = []
-        if STABLE_TARGET in changed and stable is not None:
-            lines.append(f"stable target -> {stable.artifact_id} (rev {stable.revision})")
-        if CANARY_TARGET in changed:
-            lines.append(
-                f"canary target -> {canary.artifact_id} (rev {canary.revision})"
-                if canary is not None
-                else "canary target cleared"
-            )
-        if ROUTER_WEIGHT in changed:
-            lines.append(f"router canary weight -> {bp} bp")
-        if ROUTER_SHADOW in changed:
-            lines.append(f"router shadow mirroring -> {shadow.fraction_bp} bp")
+            wanted = self._serve_wanted()
+            changed = self.serve.write(wanted)
+            self._count_drift(changed)
+        lines = describe_change(wanted, changed)
         for line in lines:
             log.warning("drift repaired: %s", line)
         return lines
+
+    def _serve_wanted(self) -> ServeChange:
+        """What Serve's config should say: the registry's targets (the canary's only while a
+        rollout has one), the rollout's weight, mirroring and canary pool size."""
+        live = self._live
+        targets: dict[Cohort, Target | None] = {}
+        stable = self.targets.current(STABLE)
+        if stable is not None:
+            targets[STABLE] = stable.target()
+        canary: TargetRecord | None = None
+        if live is not None and live.state.canary_target is not None:
+            canary = self.targets.current(CANARY)
+        targets[CANARY] = canary.target() if canary is not None else None
+        active = live is not None and live.state.is_active
+        return ServeChange(
+            targets=targets,
+            canary_bp=live.state.weights.canary_bp if live is not None else 0,
+            shadow=shadow_routing(live.state) if live is not None else ShadowRouting(),
+            canary_replicas=live.state.canary_replicas if active and live is not None else None,
+        )
+
+    def _count_drift(self, repaired: frozenset[str]) -> None:
+        for what in repaired:
+            self.drift_repairs[what] = self.drift_repairs.get(what, 0) + 1
+
+    def _repair_drift(self, serve: ServeState, now: float) -> bool:
+        """Compare what Serve was last asked for (``serve``, this tick's read) with what it
+        should say; on a difference, repair it in one write and record it. True when a repair
+        was written (``serve`` is then out of date)."""
+        wanted = self._serve_wanted()
+        found = drift(serve, wanted)
+        if not found:
+            return False
+        live = self._live
+        canary_side = found & {CANARY_TARGET, CANARY_REPLICAS, ROUTER_WEIGHT, ROUTER_SHADOW}
+        if live is not None and live.state.is_active and canary_side:
+            # The canary pool may be reloading: no users or copies for it until it is ready.
+            live.state = machine.after_drift(live.state)
+            if found & {CANARY_TARGET, CANARY_REPLICAS}:
+                self._canary_reports_since = now
+            wanted = self._serve_wanted()
+        changed = self.serve.write(wanted)
+        self._count_drift(found | changed)
+        lines = describe_change(wanted, changed | found)
+        message = (
+            "Serve's config differed from the registry and the rollout (an old config applied "
+            "again, e.g. KubeRay resubmitting serveConfigV2); repaired: " + "; ".join(lines)
+        )
+        if live is not None and live.state.is_active and live.state.withdrawn_canary_bp:
+            message += (
+                f" (canary weight {live.state.withdrawn_canary_bp / 100:g}% withdrawn until "
+                "every canary replica serves the candidate again)"
+            )
+        log.warning("%s", message)
+        self.alerts.append(f"warning: {message}")
+        self._event("drift", message)
+        return True
 
     # ================================================================== operator surface
 
@@ -308,6 +380,7 @@ class RolloutEngine:
                 known={STABLE: baseline.revision, CANARY: canary.revision if canary else 0},
             )
             self.targets.conflicted.clear()
+            self._canary_reports_since = None
             self._live.persist(self.registry)
             self._event("created", f"rollout of {candidate_artifact_id} by {actor}")
             return self.rollout_summary()
@@ -368,23 +441,29 @@ class RolloutEngine:
                 self._error(f"persist reports: {exc}")
                 return self._hold(now, f"registry unavailable: {exc}")
             live = self._live
+            active = live is not None and live.state.is_active
+            if live is not None and active:
+                try:
+                    self._check_targets(live)
+                except RolloutSystemError as exc:
+                    self._error(f"registry: {exc}")
+                    return self._hold(now, f"registry: {exc}", exc)
+            try:
+                serve = self.serve.read()
+                if self._repair_drift(serve, now):
+                    serve = self.serve.read()  # what the repair left
+            except RolloutSystemError as exc:
+                # Without a view of Serve nothing can be decided safely: hold.
+                self._error(f"observe: {exc}")
+                return self._hold(now, f"Serve: {exc}", exc) if active else None
+            live = self._live
             if live is None or not live.state.is_active:
                 return None
-            try:
-                self._check_targets(live)
-            except RolloutSystemError as exc:
-                self._error(f"registry: {exc}")
-                return self._hold(now, f"registry: {exc}", exc)
             try:
                 self.windows.observe()
             except MetricsUnavailable as exc:
                 self._error(f"metrics: {exc}")
-            try:
-                observations = self._observe(live.state, now)
-            except RolloutSystemError as exc:
-                # Without a view of Serve nothing can be decided safely: hold.
-                self._error(f"observe: {exc}")
-                return self._hold(now, f"Serve: {exc}", exc)
+            observations = self._observe(live.state, now, serve)
             self._end_hold(live, now)
             commands = tuple(self._commands)
             self._commands.clear()
@@ -447,9 +526,8 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- observe
 
-    def _observe(self, state: RolloutState, now: float) -> Observations:
-        serve = self.serve.read()
-        canary = self._pool(serve, CANARY, now)
+    def _observe(self, state: RolloutState, now: float, serve: ServeState) -> Observations:
+        canary = self._pool(serve, CANARY, now, since=self._canary_reports_since)
         stable = self._pool(serve, STABLE, now)
         window = None
         wanted = machine.next_window(state, now)
@@ -477,7 +555,9 @@ class RolloutEngine:
             ),
         )
 
-    def _pool(self, serve: ServeState, cohort: Cohort, now: float) -> PoolView:
+    def _pool(
+        self, serve: ServeState, cohort: Cohort, now: float, since: float | None = None
+    ) -> PoolView:
         deployment = serve.cohort(cohort)
         if deployment is None:
             return PoolView()
@@ -487,6 +567,7 @@ class RolloutEngine:
             deployment.expected_replicas,
             now=now,
             stale_s=self.settings.report_stale_s,
+            since=since,
         )
 
     # ---------------------------------------------------------------- act

@@ -36,6 +36,11 @@ Invariants:
   only once the router is observed mirroring (``shadow_live_at``). A failed shadow gate rolls
   back before any user is answered by the candidate; mirroring is turned off before the first
   live step and on every exit.
+- Drift (Serve's config changed by someone else, e.g. KubeRay resubmitting an old
+  ``serveConfigV2``): ``after_drift`` takes the canary weight and mirroring back to 0 and
+  keeps what they were; they are set again, capacity before traffic, once every canary
+  replica reports the candidate ready. Windows restart from the moment the router is seen
+  applying them again.
 - Actions are declarative (desired values, not deltas) and ``advance`` is deterministic, so a
   controller that crashes after acting but before persisting re-runs ``advance`` from the old
   state and repeats the same actions harmlessly; re-running it on the new state with the same
@@ -295,6 +300,28 @@ def held(state: RolloutState, seconds: float) -> RolloutState:
     )
 
 
+def after_drift(state: RolloutState) -> RolloutState:
+    """``state`` once the controller found Serve's config changed behind its back (the
+    canary's target, the pool's size, the router's weight or mirroring: KubeRay resubmitting
+    its cached ``serveConfigV2``, an old ``serve deploy``). The canary replicas may be loading
+    again, so the router must not send them users or copies until they report ready: the
+    canary weight and the mirrored fraction go to 0 (the engine's repair writes that) and are
+    kept to be restored then. Windows started under the drifted config are not judged: the
+    router has to be seen applying the restored weights first."""
+    if state.phase.is_terminal or state.finished:
+        return state  # the repair alone puts back stable 100% and the cleaned-up pool
+    s = dataclasses.replace(state, verdicts=list(state.verdicts))
+    if s.weights.canary_bp > 0:
+        s.withdrawn_canary_bp = s.weights.canary_bp
+        s.weights = Weights.stable_only()
+    s.weights_live_at = None
+    if s.shadow_bp > 0:
+        s.withdrawn_shadow_bp = s.shadow_bp
+        s.shadow_bp = 0
+    s.shadow_live_at = None
+    return s
+
+
 def follows_weight_change(state: RolloutState, start: float) -> bool:
     """Whether a window starting at ``start`` begins where the router began applying the
     current weights (or mirroring), rather than where the last judged window ended."""
@@ -345,12 +372,15 @@ class _Tick:
         self.emit(RecordAudit(f"{self.s.rollout_id}/{self.s.audit_seq}", event, message))
 
     def set_weights(self, weights: Weights) -> None:
+        # Weights decided now replace any that a drift withdrew (e.g. promotion finalising).
+        self.s.withdrawn_canary_bp = None
         if weights != self.s.weights:
             self.emit(set_weights(weights))
             self.s.weights = weights
             self.s.weights_live_at = None
 
     def set_shadow(self, action: SetShadow) -> None:
+        self.s.withdrawn_shadow_bp = None
         if action.fraction_bp != self.s.shadow_bp:
             self.emit(action)
             self.s.shadow_bp = action.fraction_bp
@@ -385,6 +415,35 @@ class _Tick:
         steps = len(self.s.plan.steps)
         return f"step {self.s.step_index + 1}/{steps} ({self.s.step_percent:g}%)"
 
+    def restore_after_drift(self) -> None:
+        """Set back what ``after_drift`` withdrew, once every canary replica serves the
+        candidate again (capacity before traffic)."""
+        s = self.s
+        if s.withdrawn_canary_bp is None and s.withdrawn_shadow_bp is None:
+            return
+        if not self.obs.canary.all_ready_on(
+            s.candidate_artifact_id, at_least=s.canary_replicas or 1
+        ):
+            return
+        restored = []
+        if s.withdrawn_canary_bp is not None:
+            self.set_weights(Weights.with_canary(s.withdrawn_canary_bp))
+            restored.append(s.weights.describe())
+        shadow, bp = s.plan.shadow, s.withdrawn_shadow_bp
+        if bp is not None and shadow is not None:
+            self.set_shadow(
+                SetShadow(
+                    bp, max_in_flight=shadow.max_in_flight, top_k=shadow.top_k, rbo_p=shadow.rbo_p
+                )
+            )
+            restored.append(f"mirroring {bp / 100:g}% of stable's requests")
+        s.withdrawn_shadow_bp = None
+        self.audit(
+            "drift_restored",
+            f"every canary replica serves {s.candidate_artifact_id} again: "
+            + ", ".join(restored or ["nothing to restore"]),
+        )
+
     # ---- withdrawal and cleanup ----------------------------------------------------------
 
     def withdraw(self, phase: Phase, reason: str) -> None:
@@ -392,6 +451,7 @@ class _Tick:
         self.emit(set_weights(Weights.stable_only()))
         self.s.weights = Weights.stable_only()
         self.s.weights_live_at = None
+        self.s.withdrawn_canary_bp = None
         self.set_shadow(SHADOW_OFF)
         if self.s.stable_target != self.s.baseline_artifact_id:
             self.emit(SetStableTarget(self.s.baseline_artifact_id))
@@ -835,6 +895,7 @@ class _Tick:
                 if s.phase.is_terminal:
                     break
         if not s.phase.is_terminal:
+            self.restore_after_drift()
             self.note_router()
         handlers = {
             Phase.PENDING: self.pending,
@@ -889,6 +950,7 @@ __all__ = [
     "SetStableTarget",
     "SetWeights",
     "advance",
+    "after_drift",
     "canary_replicas_for",
     "next_window",
     "step_weights",

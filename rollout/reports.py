@@ -140,8 +140,10 @@ class ReportStore:
         *,
         now: float,
         stale_s: float,
+        since: float | None = None,
     ) -> PoolView:
-        """The machine's view of a cohort: the fresh reports of its RUNNING replicas."""
+        """The machine's view of a cohort: the fresh reports of its RUNNING replicas (sent at
+        or after ``since``, when given: older ones may describe a replica since changed)."""
         observed = tuple(
             ReplicaObservation(
                 replica_id=replica_id,
@@ -155,6 +157,7 @@ class ReportStore:
             if replica_id in running
             and report.cohort == cohort
             and now - report.heartbeat <= stale_s
+            and (since is None or report.heartbeat >= since)
         )
         return PoolView(replicas=observed, expected=expected)
 

@@ -175,6 +175,35 @@ def router_user_config(
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
+def drift(state: ServeState, wanted: ServeChange) -> frozenset[str]:
+    """What ``wanted`` would change in the config Serve was last asked for, as ``state`` read
+    it (``STABLE_TARGET`` ...): the drift a repair undoes. Only what ``wanted`` sets is
+    compared, and nothing of a deployment Serve does not run."""
+    found: set[str] = set()
+    for cohort, target in wanted.targets.items():
+        deployment = state.cohort(cohort)
+        if deployment is not None and (
+            replica_user_config(deployment.user_config, cohort, target) is not None
+        ):
+            found.add(_TARGET_CHANGE[cohort])
+    router = state.router
+    if router is not None and (wanted.canary_bp is not None or wanted.shadow is not None):
+        asked = RouterConfig.from_user_config(router.user_config or {})
+        if wanted.canary_bp is not None and asked.canary_bp != wanted.canary_bp:
+            found.add(ROUTER_WEIGHT)
+        if wanted.shadow is not None and asked.shadow != wanted.shadow:
+            found.add(ROUTER_SHADOW)
+    canary = state.canary
+    if (
+        wanted.canary_replicas is not None
+        and canary is not None
+        and canary.target_num_replicas is not None
+        and canary.target_num_replicas != wanted.canary_replicas
+    ):
+        found.add(CANARY_REPLICAS)
+    return frozenset(found)
+
+
 class ServePort(Protocol):
     def read(self) -> ServeState:
         """The three deployments now; ServeUnreachable when Serve does not answer."""

@@ -130,6 +130,10 @@ class RolloutState:
       the candidate's recorded expectation when it applies to this baseline (the engine
       decides at the start; ``shadow_basis_note`` says why not otherwise);
       ``shadow_evidence`` what the gate has seen so far.
+    - ``withdrawn_canary_bp`` / ``withdrawn_shadow_bp``: the canary weight and the mirrored
+      fraction taken back after Serve's config was changed behind the controller's back (a
+      re-applied old config: the canary pool may be reloading), to be set again once every
+      canary replica reports the candidate ready (None: nothing withdrawn).
     """
 
     plan: RolloutPlan
@@ -162,6 +166,8 @@ class RolloutState:
     shadow_expected: dict[str, Any] | None = None
     shadow_basis_note: str = ""
     shadow_evidence: ShadowEvidence | None = None
+    withdrawn_canary_bp: int | None = None
+    withdrawn_shadow_bp: int | None = None
 
     @classmethod
     def new(

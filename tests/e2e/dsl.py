@@ -419,6 +419,15 @@ class When:
         self.s.note("same Serve config PUT again")
         return self
 
+    def resubmit(self, config: Mapping[str, Any]) -> When:
+        """What KubeRay does when its cached copy of ``serveConfigV2`` is empty (an operator
+        restart, a new head pod): the manifest's whole config PUT again over what the
+        controller set since."""
+        self.s.env.control.apply(config)
+        self.s.mark("config resubmitted")
+        self.s.note("the config deployed before the rollout PUT again (a KubeRay resubmission)")
+        return self
+
     def kill_replica(self, deployment: str) -> When:
         """``ray.kill`` of one RUNNING replica actor of the deployment (found by its actor name
         in Serve's replica details); Serve is left to replace it."""

@@ -383,6 +383,81 @@ def test_controller_restart_and_duplicate_or_late_notifications_converge(
 
 
 # ---------------------------------------------------------------------------------------------
+# 6b. KubeRay resubmits its cached serveConfigV2 mid-rollout (an operator restart, a new head
+# pod): the targets and weights the controller set are replaced by the manifest's.
+
+
+def test_a_resubmitted_config_mid_rollout_is_repaired_and_the_rollout_goes_on(
+    scenario: Scenario,
+) -> None:
+    s = scenario
+    gated = plan(gates={"pause_before_steps": [50]})
+    s.given.stable_on(BASELINE).steady_traffic(rate=35)
+    # What KubeRay holds: the config as deployed before the rollout (no canary target, the
+    # router at 0%, stable at the registry's revision).
+    deployed = s.env.control.declarative_config()
+    s.when.start_rollout(CANDIDATE, gated).wait_for_phase("paused")
+    s.when.wait_for_answers(
+        "canary answering on v42 at 20%",
+        lambda r: (r.cohort, r.artifact_id) == ("canary", CANDIDATE),
+        count=10,
+        after="phase paused",
+    )
+    canary_target = s.env.registry.get_target("ranker", "default", "canary")
+
+    s.when.resubmit(deployed)
+    s.when.wait_for_event("drift").wait_for_event("drift_restored")
+    drift = [e["message"] for e in s.events() if e["event"] == "drift"]
+    s.check(
+        any(f"canary target -> {CANDIDATE} (rev {canary_target.revision})" in m for m in drift),
+        f"the drift event does not name the canary target put back: {drift}",
+    )
+    s.check(
+        any("withdrawn" in m for m in drift),
+        f"the canary weight was not withdrawn while the canary reloaded: {drift}",
+    )
+    s.when.wait_until(
+        "Serve's config repaired (canary target and 20% back)",
+        lambda: (
+            (
+                (s.env.control.current_user_config(ROLLOUT_APP, "canary") or {}).get("target") or {}
+            ).get("revision")
+            == canary_target.revision
+            and (s.env.control.current_user_config(ROLLOUT_APP, "router") or {}).get("canary_bp")
+            == 2000
+        ),
+        timeout=60,
+    )
+    s.when.wait_for_answers(
+        "canary answering on v42 again",
+        lambda r: (r.cohort, r.artifact_id) == ("canary", CANDIDATE),
+        count=10,
+        after="config resubmitted",
+    )
+    s.when.wait_for_phase("paused")  # still at the gate: nothing was judged or skipped
+
+    # What an alert on drift reads: the running controller's counter, by what drifted.
+    def drift_repairs() -> dict[str, float] | None:
+        text = httpx.get(s.env.cluster.metrics_url, timeout=10).text
+        found: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "ray_ranker_rollout_drift_repairs_total":
+                    what = sample.labels.get("drift", "")
+                    found[what] = found.get(what, 0.0) + sample.value
+        return found if found.get("canary.target", 0) >= 1 else None
+
+    repairs = s.wait("drift repairs exported by the controller", drift_repairs, 60)
+    s.note(f"drift repairs exported: {repairs}")
+
+    s.when.command("resume").wait_for_finish(timeout=150)
+    s.when.stop_traffic()
+    s.then.expect_phase("succeeded").expect_stable_target(CANDIDATE)
+    s.then.expect_failed_requests(at_most=0).expect_published_generations_only()
+    s.then.expect_generations_never_go_back()
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. A slow canary load overtaken by a rollback and a newer target never installs.
 
 

@@ -23,6 +23,7 @@ from rollout.serve_control import APPLICATIONS_PATH
 from rollout.serve_port import (
     CANARY_REPLICAS,
     CANARY_TARGET,
+    ROUTER_SHADOW,
     ROUTER_WEIGHT,
     STABLE_TARGET,
     DeploymentState,
@@ -114,11 +115,16 @@ class FakeServe:
             if new is not None:
                 wanted[cohort] = new
                 changed.add(STABLE_TARGET if cohort == "stable" else CANARY_TARGET)
-        if change.canary_bp is not None:
-            new = router_user_config(wanted["router"], change.canary_bp)
+        if change.canary_bp is not None or change.shadow is not None:
+            before = RouterConfig.from_user_config(wanted["router"])
+            new = router_user_config(wanted["router"], change.canary_bp, change.shadow)
             if new is not None:
                 wanted["router"] = new
-                changed.add(ROUTER_WEIGHT)
+                after = RouterConfig.from_user_config(new)
+                if after.canary_bp != before.canary_bp:
+                    changed.add(ROUTER_WEIGHT)
+                if after.shadow != before.shadow:
+                    changed.add(ROUTER_SHADOW)
         n = change.canary_replicas
         if n is not None and n != len(self.replicas["canary"]):
             changed.add(CANARY_REPLICAS)

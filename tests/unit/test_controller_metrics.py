@@ -24,10 +24,33 @@ class RecordingGauge:
         self.values[tuple(tags[k] for k in self.tag_keys)] = value
 
 
+class RecordingCounter:
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...]) -> None:
+        self.name, self.tag_keys = name, tag_keys
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        assert set(tags) == set(self.tag_keys) and value > 0
+        key = tuple(tags[k] for k in self.tag_keys)
+        self.values[key] = self.values.get(key, 0.0) + value
+
+
 @pytest.fixture
 def exported(monkeypatch) -> controller_metrics.ControllerMetrics:
     monkeypatch.setattr(controller_metrics.metrics, "Gauge", RecordingGauge)
+    monkeypatch.setattr(controller_metrics.metrics, "Counter", RecordingCounter)
     return controller_metrics.ControllerMetrics()
+
+
+def test_drift_repairs_are_counted_once_each_by_what_drifted(exported) -> None:
+    exported.publish_drift("ranker", {})
+    exported.publish_drift("ranker", {"canary.target": 1, "router.canary_bp": 1})
+    exported.publish_drift("ranker", {"canary.target": 1, "router.canary_bp": 1})  # no new one
+    exported.publish_drift("ranker", {"canary.target": 3, "router.canary_bp": 1})
+    assert exported.drift_repairs.values == {
+        ("ranker", "canary.target"): 3.0,
+        ("ranker", "router.canary_bp"): 1.0,
+    }
 
 
 def judged_state(model: str = "ranker") -> RolloutState:

@@ -5,6 +5,7 @@ reports that it serves its cohort's target."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -432,3 +433,76 @@ def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -
     starts = sorted({start for start, _ in world.windows.asked})
     assert starts[1] == first.window_end  # not 13 s after it
     assert second.window_end - first.window_end >= PLAN.interval_s
+
+
+def resubmit(world: World, configs: dict[str, dict[str, Any]], canary_replicas: int) -> None:
+    """What KubeRay does with its cached serveConfigV2 (an operator restart, a new head pod):
+    the config the app was deployed with, applied again over what the controller set."""
+    world.serve.user_configs = copy.deepcopy(configs)
+    canary = world.serve.replicas["canary"]
+    del canary[canary_replicas:]
+    canary.extend(f"canary-resubmitted-{i}" for i in range(canary_replicas - len(canary)))
+
+
+def test_a_resubmitted_config_mid_rollout_is_repaired_in_one_tick_and_the_rollout_goes_on(
+    registry: Registry,
+) -> None:
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "steps": [20, 50]})
+    world = World(registry)
+    deployed = copy.deepcopy(world.serve.user_configs)  # no canary target, weight 0
+    world.replicas_report()
+    world.engine.start_rollout(V42, plan)
+    for _ in range(20):
+        summary = world.tick()
+        if summary.weights.canary_bp == 2000 and world.engine.live.state.weights_live_at:
+            break
+    assert world.serve.canary_bp == 2000 and world.serve.target("canary")["artifact_id"] == V42
+
+    resubmit(world, deployed, canary_replicas=1)
+    # The canary replica's last report, sent just before, still says it serves the candidate.
+    world.now += 1
+    before = (world.serve.gets, world.serve.puts)
+    world.engine.tick()
+    # One tick: one read, and one repair write (the canary target back at its revision).
+    assert (world.serve.gets - before[0], world.serve.puts - before[1]) == (3, 1)
+    canary_target = registry.get_target("ranker", "default", "canary")
+    assert world.serve.target("canary") == canary_target.target().model_dump(mode="json")
+    # Capacity before traffic: the canary weight stays withdrawn while the replica reloads,
+    # although its report from before the drift says ready.
+    assert world.serve.canary_bp == 0
+    state = world.engine.live.state
+    assert (state.weights.canary_bp, state.withdrawn_canary_bp) == (0, 2000)
+    [drift_event] = [e for e in world.engine.live.events if e.event == "drift"]
+    assert f"canary target -> {V42}" in drift_event.message
+    assert "withdrawn" in drift_event.message
+    assert any("KubeRay" in a for a in world.engine.alerts)
+    assert world.engine.drift_repairs == {"canary.target": 1, "router.canary_bp": 1}
+
+    # The replica reports the candidate loaded again: the weight comes back, and the rollout
+    # goes on to promotion with no second repair.
+    world.replicas_report()
+    summary = world.run()
+    assert (summary.phase, summary.finished) == ("succeeded", True), summary
+    weights = [e.canary_bp for e in world.engine.live.events if e.event == "weights"]
+    assert weights == [2000, 2000, 5000, 10_000, 0]  # withdrawn by the drift event, then set
+    assert [e.event for e in world.engine.live.events].count("drift") == 1
+    assert "drift_restored" in [e.event for e in world.engine.live.events]
+
+
+def test_without_a_rollout_an_old_stable_target_put_back_is_repaired_on_the_next_tick(
+    registry: Registry,
+) -> None:
+    world = World(registry)
+    first = copy.deepcopy(world.serve.user_configs)
+    promoted = registry.publish("ranker", "default", "stable", V42, 1, actor="t", reason="v42")
+    world.engine.reconcile_serve()
+    assert world.serve.target("stable")["artifact_id"] == V42
+    assert world.engine.tick() is None
+    assert world.serve.puts == 1  # no drift: a tick reads and writes nothing
+
+    resubmit(world, first, canary_replicas=1)  # the manifest as rendered before the promotion
+    assert world.engine.tick() is None
+    assert world.serve.target("stable") == promoted.target().model_dump(mode="json")
+    assert world.engine.drift_repairs == {"stable.target": 2}  # the start-up repair, and this
+    assert any("stable target -> ranker-v42 (rev 2)" in a for a in world.engine.alerts)
+    assert world.serve.puts == 2

@@ -35,6 +35,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
     advance,
+    after_drift,
     held,
     next_window,
 )
@@ -1007,3 +1008,100 @@ def test_a_rollout_of_the_baseline_itself_is_refused() -> None:
             baseline_artifact_id=V41,
             now=0,
         )
+
+
+# ---- drift: Serve's config changed behind the controller's back --------------------------
+
+
+def test_after_a_drift_the_canary_weight_waits_for_a_ready_pool_then_windows_restart() -> None:
+    d = Driver.start()
+    t = drive_to_step(d, 1)  # 75/25, router confirmed, one canary replica
+    # KubeRay resubmitted its serveConfigV2: the canary lost its target, the router its weight.
+    d.state = after_drift(d.state)
+    assert d.state.weights == STABLE_ONLY and d.state.weights_live_at is None, d.dump()
+    assert d.state.withdrawn_canary_bp == 2500
+    # The replica reloads the candidate: the weight stays withdrawn, no window is judged.
+    acts = d.tick(
+        t + 5, canary=loading(V42, 1), router_weights=STABLE_ONLY, window=window(t, t + 5)
+    )
+    d.expect(acts, [], Phase.PROGRESSING, STABLE_ONLY, step=1)
+    acts = d.tick(
+        t + 70, canary=loading(V42, 1), router_weights=STABLE_ONLY, window=window(t, t + 70)
+    )
+    d.expect(acts, [], Phase.PROGRESSING, STABLE_ONLY, step=1)
+    assert d.state.verdicts[-1].window_end <= t, "a window measured under the drift was judged"
+    # Ready again: the step's weight comes back; windows start once the router applies it.
+    acts = d.tick(t + 75, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    d.expect(
+        acts, [weights(25), Audit("drift_restored", "stable 75% / canary 25%")], Phase.PROGRESSING,
+        w(25), step=1,
+    )  # fmt: skip
+    assert d.state.withdrawn_canary_bp is None
+    acts = d.tick(t + 80, canary=ready(V42, 1), router_weights=w(25))
+    assert d.state.weights_live_at == t + 80 and next_window(d.state, t + 140) == (t + 80, t + 140)
+    # And the rollout goes on from there.
+    acts = d.tick(
+        t + 140, canary=ready(V42, 1), router_weights=w(25), window=window(t + 80, t + 140)
+    )
+    assert Audit("step", "step 3/3 (50%)") in acts, d.dump()
+
+
+def test_a_drift_while_paused_at_a_gate_restores_the_gates_weight_not_the_next_step() -> None:
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "gates": {"pause_before_steps": [50]}})
+    d = Driver.start(plan)
+    d.tick(0, router_weights=STABLE_ONLY)
+    d.tick(20, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    d.tick(25, canary=ready(V42, 1), router_weights=w(5))
+    d.tick(85, canary=ready(V42, 1), router_weights=w(5), window=window(25, 85))
+    d.tick(90, canary=ready(V42, 1), router_weights=w(25))
+    d.tick(150, canary=ready(V42, 1), router_weights=w(25), window=window(90, 150))
+    assert d.state.phase is Phase.PAUSED and d.state.weights == w(25), d.dump()
+    d.state = after_drift(d.state)
+    acts = d.tick(155, canary=loading(V42, 1), router_weights=STABLE_ONLY)
+    d.expect(acts, [], Phase.PAUSED, STABLE_ONLY)
+    acts = d.tick(160, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    d.expect(acts, [weights(25), Audit("drift_restored")], Phase.PAUSED, w(25))
+
+
+def test_a_drift_during_the_shadow_phase_stops_mirroring_until_the_canary_is_ready() -> None:
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "shadow": {"fraction": 0.5}})
+    d = Driver.start(plan)
+    d.tick(0, router_weights=STABLE_ONLY)
+    acts = d.tick(20, canary=ready(V42, 1), router_weights=STABLE_ONLY)
+    assert d.state.phase is Phase.SHADOWING and d.state.shadow_bp == 5000, d.dump()
+    d.tick(25, canary=ready(V42, 1), router_weights=STABLE_ONLY, router_shadow_bp=5000)
+    assert d.state.shadow_live_at == 25
+    d.state = after_drift(d.state)
+    assert (d.state.shadow_bp, d.state.withdrawn_shadow_bp, d.state.shadow_live_at) == (
+        0, 5000, None,
+    )  # fmt: skip
+    acts = d.tick(30, canary=loading(V42, 1), router_weights=STABLE_ONLY, router_shadow_bp=0)
+    d.expect(acts, [], Phase.SHADOWING, STABLE_ONLY)
+    acts = d.tick(35, canary=ready(V42, 1), router_weights=STABLE_ONLY, router_shadow_bp=0)
+    assert [type(a).__name__ for a in acts] == ["SetShadow", "RecordAudit"], d.dump()
+    assert acts[0].fraction_bp == 5000 and d.state.shadow_bp == 5000
+    assert d.state.shadow_live_at is None  # windows wait for the router to mirror again
+
+
+def test_promotion_finalising_is_not_undone_by_a_withdrawn_weight() -> None:
+    plan = PLAN.model_copy(update={"promotion": "in_place"})
+    d = Driver.start(plan)
+    t = drive_to_step(d, 2)
+    d.tick(t + 60, canary=ready(V42, 2), router_weights=w(50), window=window(t, t + 60),
+           in_place_fits=True)  # fmt: skip
+    assert d.state.phase is Phase.PROMOTING and d.state.stable_target == V42, d.dump()
+    d.state = after_drift(d.state)  # the canary reloads while stable swaps in place
+    # Every stable replica serves the candidate: finalising decides the weights (stable 100%,
+    # which the router already applies), and the rollout ends: 50% is never put back.
+    acts = d.tick(t + 70, canary=loading(V42, 2), stable=ready(V42, 3), router_weights=STABLE_ONLY)
+    assert Audit("finalising") in acts and not any(isinstance(a, SetWeights) for a in acts)
+    assert d.state.phase is Phase.SUCCEEDED and d.state.withdrawn_canary_bp is None, d.dump()
+    assert d.tick(t + 75, canary=ready(V42, 2), router_weights=STABLE_ONLY) == []
+
+
+def test_a_drift_after_the_end_changes_nothing() -> None:
+    d = Driver.start()
+    t = drive_to_step(d, 0)
+    d.tick(t + 1, canary=ready(V42, 1), router_weights=w(5), commands=(Rollback("test"),))
+    assert d.state.phase is Phase.ROLLED_BACK
+    assert after_drift(d.state) is d.state

@@ -29,6 +29,7 @@ KINDS = {
     telemetry.REPLICA_LOAD_FAILURES: "counter",
     telemetry.ROLLOUT_EVIDENCE: "gauge",
     telemetry.ROLLOUT_EVIDENCE_BOUND: "gauge",
+    telemetry.ROLLOUT_DRIFT_REPAIRS: "counter",
     telemetry.ROUTER_BREAKER_STATE: "gauge",
     telemetry.ROUTER_SERVING_FROM_FALLBACK: "gauge",
     telemetry.ROUTER_PRIMARIES_DOWN: "gauge",
@@ -68,6 +69,8 @@ def test_dashboard_queries_use_exported_metrics_only():
             used.add(name)
     # Everything the controller judges is on the dashboard, and how it judged it.
     assert telemetry.exported_name(telemetry.ROLLOUT_EVIDENCE, kind="gauge") in used
+    # And what an alert on configs deployed behind the controller's back reads.
+    assert telemetry.exported_name(telemetry.ROLLOUT_DRIFT_REPAIRS, kind="counter") in used
     # And the hot standby: breakers, the fallback's state, the alert's series.
     for name in telemetry.STANDBY_GAUGES:
         assert telemetry.exported_name(name, kind="gauge") in used, name
