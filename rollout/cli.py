@@ -788,6 +788,69 @@ def controller_start(
     _show_ping(_call(handle.ping, timeout_s=timeout_s))
 
 
+@controller.command("keep")
+@click.option(
+    "--every",
+    "every_s",
+    type=Seconds(min=1, max=3600),
+    default=15.0,
+    show_default=True,
+    help="Seconds between checks that the controller runs.",
+)
+@_cluster_options
+def controller_keep(
+    every_s: float, address: str | None, db_url: str | None, dashboard: str | None,
+    timeout_s: float, as_json: bool,
+) -> None:  # fmt: skip
+    """Keep a controller running: create it whenever it is absent, checking every --every
+    seconds, until stopped (SIGTERM or SIGINT: exit 0). A line whenever the controller it finds
+    is not the one it saw last. For a process beside the head (the RayService's
+    rollout-controller container): a new head without GCS fault tolerance starts with no
+    controller, and one created here resumes the active rollout from the registry. Losing the
+    cluster ends it with that error (its supervisor starts it again)."""
+    import signal
+    import threading
+
+    from app.registry import default_registry_url
+    from rollout.actor import absolute_registry_url, ensure_controller
+    from rollout.cluster import connect, find_controller
+
+    stop = threading.Event()
+
+    def stopping(_signum: int, _frame: Any) -> None:
+        stop.set()
+
+    cluster_dashboard = connect(address, timeout_s)
+    # After attaching: Ray's driver puts in handlers of its own that exit with the signal.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stopping)
+    dashboard = dashboard or cluster_dashboard
+    if not dashboard:
+        raise ConfigError("--dashboard: the cluster's dashboard URL is unknown; give it")
+    settings = ControllerSettings(
+        registry_url=absolute_registry_url(db_url or default_registry_url()),
+        dashboard_url=dashboard,
+    )
+    seen: int | None = None
+    while not stop.is_set():
+        handle = find_controller(timeout_s=timeout_s)
+        created = handle is None
+        if handle is None:
+            handle = ensure_controller(settings, timeout_s=timeout_s)
+        ping = ControllerPing.model_validate(_call(handle.ping, timeout_s=timeout_s))
+        if created or ping.pid != seen:
+            emit(
+                {
+                    "controller": "created" if created else "found",
+                    "pid": ping.pid,
+                    "node_id": ping.node_id,
+                    "ticks": ping.ticks,
+                }
+            )
+            seen = ping.pid
+        stop.wait(every_s)
+
+
 @controller.command("status")
 @_cluster_options
 def controller_status(

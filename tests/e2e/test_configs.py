@@ -61,7 +61,8 @@ def test_the_rayservice_runs_serve_yaml_on_the_same_layout() -> None:
     inner = yaml.safe_load(spec["serveConfigV2"])
     assert inner == yaml.safe_load((PROJECT_ROOT / "configs/serve.yaml").read_text())
     cluster = spec["rayClusterConfig"]
-    assert cluster["rayVersion"] == "2.60.0" and cluster["authOptions"] == {"mode": "token"}
+    assert cluster["rayVersion"] == "2.60.0"
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ranker-ray-token"}
     head = cluster["headGroupSpec"]
     groups = [head, *cluster["workerGroupSpecs"]]
     for group in groups:
@@ -87,6 +88,23 @@ def test_the_rayservice_runs_serve_yaml_on_the_same_layout() -> None:
     assert str(Path(args.trust_key or "").parent) in mounts and args.cache_dir in mounts
     head_ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert inner["http_options"]["port"] in head_ports
+    # The container beside the head that keeps the rollout controller running reaches the
+    # head's GCS and dashboard with the cluster's token, and the registry from its secret.
+    ray_head, keeper = head["template"]["spec"]["containers"]
+    assert keeper["command"][:3] == ["rollout", "controller", "keep"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in keeper["env"]}
+    ports = {p["name"]: p["containerPort"] for p in ray_head["ports"]}
+    assert env["RAY_ADDRESS"] == f"127.0.0.1:{ports['gcs-server']}"
+    assert env["RAY_DASHBOARD_URL"] == f"http://127.0.0.1:{ports['dashboard']}"
+    assert env["RAY_AUTH_MODE"] == "token"
+    token = env["RAY_AUTH_TOKEN"]["secretKeyRef"]
+    assert token == {"name": cluster["authOptions"]["secretName"], "key": "auth_token"}
+    head_env = {e["name"]: e.get("valueFrom") for e in ray_head["env"]}
+    assert (
+        env["ROLLOUT_DB"]
+        == head_env["ROLLOUT_DB"]
+        == {"secretKeyRef": {"name": "ranker-registry", "key": "url"}}
+    )
 
 
 def test_serve_yaml_is_sized_for_gpus_and_long_loads() -> None:

@@ -8,11 +8,14 @@ stopped with it; run under `flock /tmp/e2e.lock`."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,3 +157,54 @@ def test_a_bad_timeout_is_a_usage_error(tmp_path: Path, value: str) -> None:
     done = rollout("status", "--timeout", value, cwd=tmp_path)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "--timeout" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_keep_creates_the_controller_whenever_it_is_gone_and_stops_on_sigterm(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """`rollout controller keep`, as the RayService's sidecar runs it: the controller is
+    created, created again after it was stopped (as on a new head without GCS fault
+    tolerance), and SIGTERM (the pod stopping) ends the command with 0."""
+    db = f"sqlite:///{tmp_path / 'registry.db'}"
+    keep = subprocess.Popen(
+        [ROLLOUT, "controller", "keep", "--every", "1", "--address", ray_address,
+         "--dashboard", "http://127.0.0.1:9", "--db", db],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **TOKEN_AUTH},
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(keep.stdout.readline, "")), daemon=True
+    )
+    reader.start()
+    try:
+
+        def said(n: int) -> list[dict]:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while len(lines) < n:
+                assert keep.poll() is None, (keep.returncode, keep.stderr.read())
+                assert time.monotonic() < deadline, f"{n} lines not said: {lines}"
+                time.sleep(0.2)
+            return [json.loads(line) for line in lines[:n]]
+
+        (first,) = said(1)
+        assert first["controller"] == "created" and first["pid"] > 0, first
+        running = rollout("controller", "status", "--address", ray_address, "--json",
+                          cwd=tmp_path, env=TOKEN_AUTH)  # fmt: skip
+        assert running.returncode == 0 and json.loads(running.stdout)["pid"] == first["pid"]
+
+        stopped = rollout("controller", "stop", "--address", ray_address, cwd=tmp_path,
+                          env=TOKEN_AUTH)  # fmt: skip
+        assert stopped.returncode == 0, stopped.stderr
+        _, second = said(2)
+        assert second["controller"] == "created" and second["pid"] != first["pid"], second
+        assert len(lines) == 2, lines  # nothing said while the same controller runs
+
+        keep.send_signal(signal.SIGTERM)
+        assert keep.wait(timeout=HANG_GUARD_S) == 0, keep.stderr.read()
+    finally:
+        if keep.poll() is None:
+            keep.kill()  # only the process this test started
+            keep.wait()
+        # The module's other tests need a cluster without a controller.
+        rollout("controller", "stop", "--address", ray_address, cwd=tmp_path, env=TOKEN_AUTH)
