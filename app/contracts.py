@@ -566,25 +566,14 @@ class RouterConfig(Contract):
     def from_user_config(cls, raw: Mapping[str, Any] | RouterConfig) -> RouterConfig:
         return cls.parse(raw, where="user_config")
 
-    def with_canary_bp(self, canary_bp: int) -> RouterConfig:
-        return RouterConfig.model_validate(
-            {**self.model_dump(exclude_unset=True), "canary_bp": canary_bp}
-        )
-
-    def with_shadow(self, shadow: ShadowRouting) -> RouterConfig:
-        data = self.model_dump(exclude_unset=True)
-        if shadow == ShadowRouting():
-            data.pop("shadow", None)  # off: the config reads as its author wrote it
-        else:
-            data["shadow"] = shadow.model_dump(mode="json")
-        return RouterConfig.model_validate(data)
-
 
 # --------------------------------------------------------------------------- application args
 
 
 class CohortArgs(Contract):
-    """One ranker deployment (stable, canary or fallback)."""
+    """One ranker deployment (stable, canary or fallback). Serve's ``autoscaling_config``
+    for it goes in the Serve config's ``deployments`` list, where Serve changes it in place
+    (README "Autoscaling"); ``num_replicas`` is then ignored."""
 
     num_replicas: Annotated[int, Field(ge=0, le=10_000)] = 1
     num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25

@@ -288,6 +288,7 @@ class Router:
         self._closing = False
         self._has_config = False
         self._config_error: ErrorInfo | None = None
+        self._probe_due = False  # a probe round is due now, not at the next interval
 
     # ------------------------------------------------------------------ config
 
@@ -312,9 +313,16 @@ class Router:
                 field=clip_text(field, MAX_FIELD_PATH),
             )
             return
+        was_resting = self._canary_resting()
         self._config = config
         self._has_config = True
         self._config_error = None
+        if was_resting and not self._canary_resting():
+            # Users or copies for the canary again (the controller gives them only once its
+            # replicas report ready): unknown until the probe round due now, so a request
+            # tries it (failing over if it still holds no model) instead of skipping it.
+            self._health[CANARY].serving = None
+            self._probe_due = True
         for cohort in self._roles:
             self._size_coalescer(cohort)
         self._mirror.config = config.shadow
@@ -413,11 +421,31 @@ class Router:
         )
         asyncio.get_running_loop().call_later(delay, self._start_probing)
 
+    def _canary_resting(self) -> bool:
+        """The canary pool at weight 0 with no copies mirrored to it, last found holding no
+        model (its target cleared between rollouts) or gone: it is not probed until it gets
+        weight or copies again. A probe is a request: one to a pool Serve autoscales with
+        ``min_replicas: 0`` would start a replica (scale from zero), and an idle pool could
+        not be a failover destination anyway."""
+        health = self._health.get(CANARY)
+        return (
+            health is not None
+            and health.serving is False
+            and self._config.canary_bp == 0
+            and self._config.shadow.fraction_bp == 0
+        )
+
     async def _probe_loop(self) -> None:
         next_probe = 0.0
         while True:
-            if time.monotonic() >= next_probe:
-                await asyncio.gather(*(self._probe(c) for c in self._roles))
+            if time.monotonic() >= next_probe or self._probe_due:
+                self._probe_due = False
+                resting = self._canary_resting()
+                if resting:
+                    self._views[CANARY].clear()
+                    self._size_coalescer(CANARY)
+                probed = [c for c in self._roles if not (resting and c == CANARY)]
+                await asyncio.gather(*(self._probe(c) for c in probed))
                 self._first_probe.set()
                 self._probe_deaths_in_row = 0
                 next_probe = time.monotonic() + self._config.probe_interval_s

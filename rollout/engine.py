@@ -334,6 +334,15 @@ class RolloutEngine:
                 raise InvalidState(
                     f"{candidate_artifact_id} is already the stable target: nothing to roll out"
                 )
+            if plan.canary_scaling.idle_replicas == 0:
+                canary = self.serve.read().canary
+                if canary is None or canary.autoscaling is None:
+                    raise InvalidState(
+                        "canary_scaling.idle_replicas: 0 needs a canary deployment that Serve "
+                        "autoscales (autoscaling_config with min_replicas 0); the "
+                        f"{s.canary_deployment!r} deployment has a fixed replica count, which "
+                        "Serve cannot set to 0"
+                    )
             rollout_id = rollout_id or f"{candidate_artifact_id}-{uuid.uuid4().hex[:6]}"
             expected, note = None, ""
             if plan.shadow is not None:

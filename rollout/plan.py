@@ -175,15 +175,18 @@ class Gates(BaseModel):
 class CanaryScaling(BaseModel):
     """Canary pool size follows its weight: ``ceil(max_replicas x percent / 100)`` clamped to
     ``[min_replicas, max_replicas]``. ``idle_replicas`` is the pool size once the rollout ends
-    (its target is cleared, so the pool holds no model). It is at least 1: Serve's declarative
-    config (``DeploymentSchema.num_replicas``: a positive int or "auto") refuses 0, so a plan
-    asking for 0 would leave every rollout stuck in its cleanup."""
+    (its target is cleared, so the pool holds no model). For a canary deployment Serve
+    autoscales, the size set is the autoscaler's floor (``min_replicas``): the autoscaler may
+    add replicas for load, and only replicas that report ready count. ``idle_replicas`` 0
+    releases the pool's GPUs between rollouts; it needs an autoscaled canary (Serve's
+    ``num_replicas`` refuses 0, its ``autoscaling_config.min_replicas`` does not): a rollout
+    with it is refused at its start otherwise."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=2, ge=1)
-    idle_replicas: int = Field(default=1, ge=1)
+    idle_replicas: int = Field(default=1, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> CanaryScaling:

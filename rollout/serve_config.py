@@ -92,7 +92,29 @@ def render_serve_config(
         AppArgs.model_validate(args)
     except ValueError as exc:
         raise ConfigError(f"applications[{app_name}].args: {exc}") from None
+    _check_autoscaling(app, app_name)
     return out
+
+
+def _check_autoscaling(app: Mapping[str, Any], app_name: str) -> None:
+    """Stable and the hot standby answer users at any time: Serve's autoscaler may not take
+    them to zero replicas (a request would wait for one to start and load its model). The
+    canary pool may go to zero between rollouts: the controller raises its floor first."""
+    for entry in app.get("deployments") or []:
+        if not isinstance(entry, Mapping) or entry.get("name") not in ("stable", "fallback"):
+            continue
+        scaling = entry.get("autoscaling_config")
+        floor = scaling.get("min_replicas", 1) if isinstance(scaling, Mapping) else 1
+        if not isinstance(floor, int) or floor < 1:
+            field = (
+                f"applications[{app_name}].deployments[{entry['name']}]"
+                ".autoscaling_config.min_replicas"
+            )
+            raise ConfigError(
+                f"{field}: {floor!r}; the {entry['name']} deployment must keep at least 1 "
+                "replica (only the canary pool may go to 0)",
+                field=field,
+            )
 
 
 def render_document(

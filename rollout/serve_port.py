@@ -7,8 +7,13 @@ weights it applies) and the user_config each was last asked for.
 
 ``write`` sets targets, the router's canary weight and the canary pool's size in one
 read-modify-write of the declarative config: one GET, and one PUT only when something would
-change. Replica and router user_configs are read into ``app.contracts`` models and written back
-whole (``ReplicaConfig.with_target``, ``RouterConfig.with_canary_bp``): an override replaces the
+change. The pool's size is ``num_replicas``, or for a deployment Serve autoscales its floor
+(``autoscaling_config.min_replicas`` in the config's deployments list, with ``max_replicas``
+raised to it where it is lower): the autoscaler may add replicas above it for load, and the
+capacity the controller counts is the replicas that report ready, never the configured ones.
+
+Replica and router user_configs are read into ``app.contracts`` models and written back
+whole (``ReplicaConfig.with_target``, ``router_user_config``): an override replaces the
 builder's user_config entirely, so a partial one would drop fields the replicas need. They are
 written back with the fields they were given and the one changed, not every default spelled
 out: the declarative config keeps reading as its author wrote it.
@@ -35,7 +40,13 @@ from app.contracts import (
     Target,
 )
 from app.errors import ConfigError
-from rollout.serve_control import ServeControl, deployment_entry, effective_user_config
+from rollout.serve_control import (
+    ServeControl,
+    ServeControlError,
+    ServeUnreachable,
+    deployment_entry,
+    effective_user_config,
+)
 from rollout.state import Weights
 
 Role = Literal["stable", "canary", "router"]
@@ -65,6 +76,17 @@ class DeploymentState:
     target_num_replicas: int | None = None
     applied_user_config: Mapping[str, Any] | None = None  # what its replicas were given
     user_config: Mapping[str, Any] | None = None  # what was last asked for (the effective one)
+    # Serve's autoscaling_config when it autoscales the deployment (None: a fixed count).
+    autoscaling: Mapping[str, Any] | None = None
+
+    @property
+    def pool_size(self) -> int | None:
+        """What the controller sets as the pool's size: the autoscaler's floor, or the fixed
+        replica count (None: unknown)."""
+        if self.autoscaling is not None:
+            floor = self.autoscaling.get("min_replicas")
+            return int(floor) if floor is not None else None
+        return self.target_num_replicas
 
     @property
     def running(self) -> frozenset[str]:
@@ -150,45 +172,53 @@ class ServeChange:
 
 
 def replica_user_config(
-    current: Mapping[str, Any] | None, cohort: Cohort, target: Target | None
+    current: Mapping[str, Any], cohort: Cohort, target: Target | None
 ) -> dict[str, Any] | None:
     """The whole user_config of a cohort's replicas with ``target``; None when ``current``
-    already says that. A deployment without one gets the defaults."""
-    config = ReplicaConfig.from_user_config(current if current is not None else {"cohort": cohort})
+    already says that."""
+    config = ReplicaConfig.from_user_config(current)
     wanted = config.with_target(target)
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
 def router_user_config(
-    current: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
     canary_bp: int | None,
     shadow: ShadowRouting | None = None,
 ) -> dict[str, Any] | None:
-    """The router's whole user_config with ``canary_bp`` and ``shadow`` (None: as they are);
-    None when ``current`` already says that."""
-    config = RouterConfig.from_user_config(current or {})
-    wanted = config
+    """The router's whole user_config with ``canary_bp`` and ``shadow`` (None: as they are),
+    checked as a whole; None when ``current`` already says that."""
+    config = RouterConfig.from_user_config(current)
+    data = config.model_dump(mode="json", exclude_unset=True)
     if canary_bp is not None:
-        wanted = wanted.with_canary_bp(canary_bp)
+        data["canary_bp"] = canary_bp
     if shadow is not None:
-        wanted = wanted.with_shadow(shadow)
+        data.pop("shadow", None)  # off: the config reads as its author wrote it
+        if shadow != ShadowRouting():
+            data["shadow"] = shadow.model_dump(mode="json")
+    wanted = RouterConfig.parse(data, where="user_config")
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
 
 
 def drift(state: ServeState, wanted: ServeChange) -> frozenset[str]:
     """What ``wanted`` would change in the config Serve was last asked for, as ``state`` read
     it (``STABLE_TARGET`` ...): the drift a repair undoes. Only what ``wanted`` sets is
-    compared, and nothing of a deployment Serve does not run."""
+    compared, and nothing of a deployment Serve does not run or shows no user_config of."""
     found: set[str] = set()
     for cohort, target in wanted.targets.items():
         deployment = state.cohort(cohort)
-        if deployment is not None and (
-            replica_user_config(deployment.user_config, cohort, target) is not None
-        ):
+        # No user_config shown: Serve is (re)building the app; compared on a later tick.
+        if deployment is None or deployment.user_config is None:
+            continue
+        if replica_user_config(deployment.user_config, cohort, target) is not None:
             found.add(_TARGET_CHANGE[cohort])
     router = state.router
-    if router is not None and (wanted.canary_bp is not None or wanted.shadow is not None):
-        asked = RouterConfig.from_user_config(router.user_config or {})
+    if (
+        router is not None
+        and router.user_config is not None
+        and (wanted.canary_bp is not None or wanted.shadow is not None)
+    ):
+        asked = RouterConfig.from_user_config(router.user_config)
         if wanted.canary_bp is not None and asked.canary_bp != wanted.canary_bp:
             found.add(ROUTER_WEIGHT)
         if wanted.shadow is not None and asked.shadow != wanted.shadow:
@@ -197,11 +227,28 @@ def drift(state: ServeState, wanted: ServeChange) -> frozenset[str]:
     if (
         wanted.canary_replicas is not None
         and canary is not None
-        and canary.target_num_replicas is not None
-        and canary.target_num_replicas != wanted.canary_replicas
+        and canary.pool_size is not None
+        and canary.pool_size != wanted.canary_replicas
     ):
         found.add(CANARY_REPLICAS)
     return frozenset(found)
+
+
+def autoscaling_with_floor(asked: Mapping[str, Any], floor: int) -> dict[str, Any] | None:
+    """The declarative config's ``autoscaling_config`` ``asked`` with ``min_replicas``
+    ``floor`` (``max_replicas`` raised to it where lower); None when it already says that.
+    Nothing else is added or changed: Serve hashes the autoscaling policy into the
+    application's code version, so a key that appears or changes there would make it restart
+    every replica of the app, where a new floor is applied in place."""
+    if asked.get("min_replicas") == floor and (asked.get("max_replicas") or 1) >= floor:
+        return None
+    scaling = copy.deepcopy(dict(asked))
+    scaling["min_replicas"] = floor
+    scaling["max_replicas"] = max(int(scaling.get("max_replicas") or 1), floor)
+    initial = scaling.get("initial_replicas")
+    if initial is not None and not floor <= initial <= scaling["max_replicas"]:
+        scaling["initial_replicas"] = floor
+    return scaling
 
 
 class ServePort(Protocol):
@@ -267,6 +314,7 @@ class HttpServePort:
                 target_num_replicas=live.get("target_num_replicas"),
                 applied_user_config=(live.get("deployment_config") or {}).get("user_config"),
                 user_config=effective_user_config(details, entries.get(name), self.app, name),
+                autoscaling=(live.get("deployment_config") or {}).get("autoscaling_config"),
             )
 
         return ServeState(stable=state(STABLE), canary=state(CANARY), router=state(ROUTER))
@@ -293,7 +341,16 @@ class HttpServePort:
         def set_user_config(role: Role, make: _Rewrite) -> bool:
             name = self.names[role]
             entry = deployment_entry(config, self.app, name, create=False)
-            new = make(effective_user_config(details, entry, self.app, name))
+            current = effective_user_config(details, entry, self.app, name)
+            if current is None:
+                # Serve shows none while it (re)builds the app: a config made from nothing
+                # would drop every field but the one written (the controller to report
+                # to, the cache, ...). Not an outage: the tick holds and tries again.
+                raise ServeUnreachable(
+                    f"the {name!r} deployment of {self.app!r} shows no user_config (Serve is "
+                    "deploying it); not written, tried again on the next tick"
+                )
+            new = make(current)
             if new is None:
                 return False
             entry = entry if entry is not None else deployment_entry(config, self.app, name)
@@ -330,6 +387,26 @@ class HttpServePort:
         self, config: dict[str, Any], details: Mapping[str, Any], name: str, replicas: int
     ) -> bool:
         entry = deployment_entry(config, self.app, name, create=False)
+        app = (details.get("applications") or {}).get(self.app) or {}
+        live_config = (((app.get("deployments") or {}).get(name) or {}).get("deployment_config")
+                       or {})  # fmt: skip
+        asked = (entry or {}).get("autoscaling_config")
+        if asked is not None:
+            scaling = autoscaling_with_floor(asked, replicas)
+            if scaling is None:
+                return False
+            assert entry is not None
+            entry["autoscaling_config"] = scaling
+            return True
+        if live_config.get("autoscaling_config") is not None:
+            # Autoscaled by the code's options: an autoscaling_config added to the config's
+            # deployments list changes the application's code version (Serve hashes the
+            # autoscaling policies in it), and Serve would restart every replica of the app.
+            raise ServeControlError(
+                f"deployment {name!r} of {self.app!r} is autoscaled by its code's options; give "
+                "its autoscaling_config in the Serve config's deployments list instead, where "
+                "the controller can move its floor in place"
+            )
         if entry is not None and "num_replicas" in entry:
             current = entry["num_replicas"]
         else:  # not set in the declarative config: what the deployment is configured with

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from app.contracts import AppArgs, Target
@@ -113,7 +114,18 @@ def test_serve_yaml_is_sized_for_gpus_and_long_loads() -> None:
     for cohort in (args.stable, args.canary):
         assert cohort.num_gpus == 1
         assert cohort.graceful_shutdown_timeout_s >= 90
-    assert args.stable.num_replicas > 1 and args.canary.num_replicas >= 1
+    # Autoscaled by Serve, in the config's deployments list (where the controller moves the
+    # canary's floor in place): stable never below several replicas, the idle canary pool down
+    # to none, both able to scale up under the router's coalescing (calls in flight per
+    # replica are at most coalesce_calls_per_replica x router replicas).
+    overrides = {e["name"]: e for e in doc["applications"][0]["deployments"]}
+    stable = AutoscalingConfig(**overrides["stable"]["autoscaling_config"])
+    canary = AutoscalingConfig(**overrides["canary"]["autoscaling_config"])
+    assert stable.min_replicas > 1 and stable.max_replicas > stable.min_replicas
+    assert canary.min_replicas == 0 and canary.max_replicas >= 1
+    ceiling = args.router.coalesce_calls_per_replica * args.router_replicas
+    assert stable.target_ongoing_requests < ceiling and canary.target_ongoing_requests < ceiling
+    assert "policy" not in overrides["canary"]["autoscaling_config"]
     assert not args.router.allow_cohort_header
     # The hot standby on cheaper capacity: CPU, with a target of its own.
     assert args.fallback is not None and args.fallback.num_gpus == 0

@@ -53,15 +53,21 @@ class FakeServe:
         canary: Mapping[str, Any] | None = None,
         router: Mapping[str, Any] | None = None,
         replicas: Mapping[str, int] | None = None,
+        autoscaling: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        """``autoscaling``: the roles Serve autoscales, with their autoscaling_config; the fake
+        autoscaler keeps such a pool at its floor (``min_replicas``)."""
         self.user_configs: dict[str, dict[str, Any]] = {
             "stable": dict(stable or replica_config("stable")),
             "canary": dict(canary or replica_config("canary")),
             "router": dict(router or router_config()),
         }
         self._ids = itertools.count()
+        self.autoscaling = {k: dict(v) for k, v in (autoscaling or {}).items()}
+        floors = {role: int(a.get("min_replicas", 1)) for role, a in self.autoscaling.items()}
         self.replicas: dict[str, list[str]] = {}
-        for role, n in {"stable": 1, "canary": 1, "router": 1, **(replicas or {})}.items():
+        sizes = {"stable": 1, "canary": 1, "router": 1, **floors, **(replicas or {})}
+        for role, n in sizes.items():
             self.replicas[role] = [self._new_id(role) for _ in range(n)]
         self.gets = 0
         self.puts = 0
@@ -97,6 +103,7 @@ class FakeServe:
                 target_num_replicas=len(self.replicas[role]),
                 applied_user_config=copy.deepcopy(self.user_configs[role]),
                 user_config=copy.deepcopy(self.user_configs[role]),
+                autoscaling=copy.deepcopy(self.autoscaling.get(role)),
             )
 
         return ServeState(stable=state("stable"), canary=state("canary"), router=state("router"))
@@ -126,12 +133,17 @@ class FakeServe:
                 if after.shadow != before.shadow:
                     changed.add(ROUTER_SHADOW)
         n = change.canary_replicas
-        if n is not None and n != len(self.replicas["canary"]):
+        scaling = self.autoscaling.get("canary")
+        size = scaling.get("min_replicas") if scaling is not None else len(self.replicas["canary"])
+        if n is not None and n != size:
             changed.add(CANARY_REPLICAS)
         if not changed:
             return frozenset()
         self.puts += 1
         self.user_configs = wanted
+        if n is not None and scaling is not None:
+            scaling["min_replicas"] = n
+            scaling["max_replicas"] = max(int(scaling.get("max_replicas", 1)), n)
         if n is not None:
             canary = self.replicas["canary"]
             del canary[n:]
@@ -146,8 +158,14 @@ class FakeServe:
 
 
 def deployment_details(
-    name: str, user_config: Mapping[str, Any] | None, replicas: int = 1
+    name: str,
+    user_config: Mapping[str, Any] | None,
+    replicas: int = 1,
+    autoscaling: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A deployment as Serve's details show it: a fixed ``replicas``, or with
+    ``autoscaling`` (its ``autoscaling_config``; ``replicas`` is the autoscaler's current
+    target), as Serve reports one: every field of Serve's autoscaling config spelled out."""
     return {
         "name": name,
         "status": "HEALTHY",
@@ -155,10 +173,37 @@ def deployment_details(
             "name": name,
             "num_replicas": replicas,
             "user_config": copy.deepcopy(user_config),
+            "autoscaling_config": (
+                {**SERVE_AUTOSCALING_DEFAULTS, **autoscaling} if autoscaling is not None else None
+            ),
         },
         "target_num_replicas": replicas,
         "replicas": [{"replica_id": f"{name}-{i}", "state": "RUNNING"} for i in range(replicas)],
     }
+
+
+# How Serve 2.60's details spell out an autoscaling_config (AutoscalingConfig's fields).
+SERVE_AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "min_replicas": 1,
+    "initial_replicas": None,
+    "max_replicas": 1,
+    "target_ongoing_requests": 2.0,
+    "metrics_interval_s": 10.0,
+    "look_back_period_s": 30.0,
+    "smoothing_factor": 1.0,
+    "upscale_smoothing_factor": None,
+    "downscale_smoothing_factor": None,
+    "upscaling_factor": None,
+    "downscaling_factor": None,
+    "downscale_delay_s": 600.0,
+    "downscale_to_zero_delay_s": None,
+    "upscale_delay_s": 30.0,
+    "aggregation_function": "mean",
+    "policy": {
+        "policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy",
+        "policy_kwargs": {},
+    },
+}
 
 
 def app_details(
@@ -231,6 +276,11 @@ class FakeDashboard:
                 live = app["deployments"][entry["name"]]
                 if "user_config" in entry:
                     live["deployment_config"]["user_config"] = copy.deepcopy(entry["user_config"])
+                if "autoscaling_config" in entry:
+                    # The autoscaler starts at the floor here (no load in these tests).
+                    scaling = {**SERVE_AUTOSCALING_DEFAULTS, **entry["autoscaling_config"]}
+                    live["deployment_config"]["autoscaling_config"] = scaling
+                    entry = {**entry, "num_replicas": scaling["min_replicas"]}
                 if "num_replicas" in entry:
                     n = entry["num_replicas"]
                     live["deployment_config"]["num_replicas"] = n

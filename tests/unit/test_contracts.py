@@ -21,6 +21,7 @@ from app.contracts import (
     Target,
 )
 from app.errors import ConfigError
+from rollout.serve_port import router_user_config
 
 SHA = "AB" * 32
 
@@ -111,11 +112,12 @@ def test_user_config_round_trips_through_json_as_serve_stores_it() -> None:
 
 
 def test_router_weight_change_keeps_the_rest_and_is_bounded() -> None:
-    config = RouterConfig(salt="s", max_in_flight=9)
-    moved = config.with_canary_bp(2500)
+    config = {"salt": "s", "max_in_flight": 9}
+    moved = RouterConfig.model_validate(router_user_config(config, 2500))
     assert (moved.canary_bp, moved.salt, moved.max_in_flight) == (2500, "s", 9)
-    with pytest.raises(ValidationError):
-        config.with_canary_bp(10_001)
+    assert router_user_config({**config, "canary_bp": 2500}, 2500) is None  # nothing to change
+    with pytest.raises(ConfigError, match="canary_bp"):
+        router_user_config(config, 10_001)
 
 
 @pytest.mark.parametrize(

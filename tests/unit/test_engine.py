@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from app.contracts import CommandAccepted, ControllerSettings, InstanceReport, ReplicaPhase
-from app.errors import RegistryUnavailable
+from app.errors import InvalidState, RegistryUnavailable
 from app.polling import wait_until
 from app.registry import Registry, open_registry
 from rollout.actor import RolloutController
@@ -506,3 +506,42 @@ def test_without_a_rollout_an_old_stable_target_put_back_is_repaired_on_the_next
     assert world.engine.drift_repairs == {"stable.target": 2}  # the start-up repair, and this
     assert any("stable target -> ranker-v42 (rev 2)" in a for a in world.engine.alerts)
     assert world.serve.puts == 2
+
+
+def test_an_autoscaled_canary_pool_goes_from_zero_to_its_floor_and_back_to_zero(
+    registry: Registry,
+) -> None:
+    """A canary pool Serve autoscales with min_replicas 0 holds no replica between rollouts:
+    the rollout raises its floor before any traffic, and puts it back to 0 at the end."""
+    plan = RolloutPlan.model_validate(
+        {**PLAN.model_dump(), "canary_scaling": {"min_replicas": 1, "max_replicas": 1,
+                                                 "idle_replicas": 0}}
+    )  # fmt: skip
+    stable = registry.get_target("ranker", "default", "stable").target()
+    serve = FakeServe(
+        stable=replica_config("stable", stable),
+        autoscaling={"canary": {"min_replicas": 0, "max_replicas": 2}},
+    )
+    world = World(registry, serve=serve)
+    assert world.serve.running("canary") == []
+    world.replicas_report()
+    world.engine.start_rollout(V42, plan)
+    world.tick()
+    assert world.serve.autoscaling["canary"]["min_replicas"] == 1
+    assert len(world.serve.running("canary")) == 1 and world.serve.canary_bp == 0
+    summary = world.run()
+    assert (summary.phase, summary.finished) == ("succeeded", True), summary
+    assert world.serve.autoscaling["canary"] == {"min_replicas": 0, "max_replicas": 2}
+    assert world.serve.running("canary") == [] and world.serve.target("canary") is None
+    assert world.engine.drift_repairs == {}  # the floor it set is not taken for drift
+
+
+def test_an_idle_pool_of_zero_is_refused_for_a_canary_of_fixed_size(registry: Registry) -> None:
+    plan = RolloutPlan.model_validate(
+        {**PLAN.model_dump(), "canary_scaling": {"min_replicas": 1, "max_replicas": 1,
+                                                 "idle_replicas": 0}}
+    )  # fmt: skip
+    world = World(registry)
+    with pytest.raises(InvalidState, match=r"canary_scaling\.idle_replicas: 0 needs"):
+        world.engine.start_rollout(V42, plan)
+    assert registry.get_active_rollout("ranker", "default") is None

@@ -99,7 +99,7 @@ def test_canary_replicas_follow_the_weight() -> None:
             "canary_scaling.max_replicas",
             "below min_replicas",
         ),
-        ({"canary_scaling": {"idle_replicas": 0}}, "canary_scaling.idle_replicas", "greater"),
+        ({"canary_scaling": {"idle_replicas": -1}}, "canary_scaling.idle_replicas", "greater"),
         ({"stepz": [5]}, "stepz", "Extra inputs are not permitted"),
     ],
 )

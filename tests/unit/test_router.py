@@ -31,9 +31,10 @@ class FakeCohort:
     and ``remote(batch)``. The first ``cancelled_probes`` status calls end the way a cancelled
     Ray call does (asyncio.CancelledError out of the await)."""
 
-    def __init__(self, cohort: str, cancelled_probes: int = 0) -> None:
+    def __init__(self, cohort: str, cancelled_probes: int = 0, serving: bool = True) -> None:
         self.cohort = cohort
         self.cancelled_probes = cancelled_probes
+        self.serving = serving  # False: its replica holds no model (an idle pool)
         self.status_calls = 0
         self.status = self  # handle.status.remote()
 
@@ -49,15 +50,15 @@ class FakeCohort:
         async def answer() -> dict[str, Any]:
             if call <= self.cancelled_probes:
                 raise asyncio.CancelledError()
+            model = {"actual_revision": 3, "actual_artifact": "ranker-v41"}
             return InstanceReport(
                 replica_id=f"{self.cohort}-1",
                 cohort=self.cohort,  # type: ignore[arg-type]
                 pid=1,
-                phase="ready",  # type: ignore[arg-type]
-                actual_revision=3,
-                actual_artifact="ranker-v41",
+                phase="ready" if self.serving else "idle",  # type: ignore[arg-type]
                 heartbeat=time.time(),
                 seq=call,
+                **(model if self.serving else {}),
             ).model_dump(mode="json")
 
         return answer()
@@ -155,6 +156,33 @@ def test_a_dead_probe_loop_is_restarted_and_reported_without_any_request(
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
         asyncio.run(main())
     assert any("probe loop" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_an_idle_canary_at_weight_0_is_not_probed_until_it_gets_users_again() -> None:
+    """A probe is a request: one to a canary pool Serve autoscales to zero would start a
+    replica. Once found holding no model at weight 0 it is left alone; given weight (the
+    controller does so only once its replicas report ready) it is tried at once."""
+
+    async def main() -> None:
+        stable, canary = FakeCohort("stable"), FakeCohort("canary", serving=False)
+        router = RouterClass(stable, canary)
+        router.reconfigure({"probe_interval_s": 0.02})
+        response = await router(http_request("GET", "/livez"))
+        assert response.status_code == 200
+        await wait_for(lambda: canary.status_calls >= 1, "the idle canary probed once")
+        await wait_for(lambda: stable.status_calls >= 20, "stable probed on")
+        assert canary.status_calls <= 2, canary.status_calls  # one round (two asks), no more
+        assert router._health["canary"].serving is False  # no failover destination
+
+        canary.serving = True  # a rollout loaded the candidate; the controller gives weight
+        asked = canary.status_calls
+        router.reconfigure({"probe_interval_s": 0.02, "canary_bp": 2000})
+        assert router._health["canary"].serving is None  # tried, not skipped, until probed
+        await wait_for(lambda: router._health["canary"].serving is True, "probed at once")
+        await wait_for(lambda: canary.status_calls >= asked + 10, "probed every round again")
+        router.__del__()
+
+    asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- body cap

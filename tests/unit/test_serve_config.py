@@ -3,6 +3,7 @@ changed, and every way a template can be unusable named."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -99,3 +100,18 @@ def test_a_rayservice_is_rendered_inside_serve_config_v2_only() -> None:
         render_document("kind: RayService\nspec: {}\n", app_name="ranker", stable=STABLE)
     with pytest.raises(ConfigError, match="not YAML"):
         render_document("a: [", app_name="ranker", stable=STABLE)
+
+
+@pytest.mark.parametrize("deployment", ["stable", "fallback"])
+def test_stable_and_the_standby_may_not_be_autoscaled_to_zero(deployment: str) -> None:
+    doc = template()
+    doc["applications"][0]["deployments"] = [
+        {"name": "canary", "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
+        {"name": deployment, "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
+    ]
+    field = f"applications[ranker].deployments[{deployment}].autoscaling_config.min_replicas"
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=LITE)
+    doc["applications"][0]["deployments"][1]["autoscaling_config"]["min_replicas"] = 1
+    out = render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=LITE)
+    assert out["applications"][0]["deployments"] == doc["applications"][0]["deployments"]

@@ -18,6 +18,7 @@ from rollout.serve_port import (
     STABLE_TARGET,
     HttpServePort,
     ServeChange,
+    drift,
 )
 from rollout.state import Weights
 from tests.unit.fakes import (
@@ -172,6 +173,60 @@ def test_every_part_of_a_change_goes_in_one_put(dashboard: FakeDashboard) -> Non
     assert state.router_weights == Weights.canary_only()
 
 
+def autoscaled_canary(floor: int, *, declared: bool = True) -> FakeDashboard:
+    """A canary pool Serve autoscales, its autoscaling_config in the config's deployments
+    list (``declared``), or only in the code's options."""
+    scaling = {"min_replicas": floor, "max_replicas": 2, "downscale_delay_s": 30}
+    app = app_details(
+        deployments={
+            "stable": deployment_details("stable", replica_config("stable", V41)),
+            "canary": deployment_details(
+                "canary", replica_config("canary"), replicas=floor, autoscaling=scaling
+            ),
+            "router": deployment_details("router", router_config()),
+        }
+    )
+    if declared:
+        app["deployed_app_config"]["deployments"] = [
+            {"name": "canary", "autoscaling_config": scaling}
+        ]
+    return FakeDashboard(app)
+
+
+def test_an_autoscaled_pool_is_sized_by_its_floor_and_nothing_else_changes() -> None:
+    dashboard = autoscaled_canary(0)
+    port = port_for(dashboard)
+    before = port.read().canary
+    assert before is not None and before.pool_size == 0 and before.expected_replicas == 0
+
+    # A step needs 3 replicas: the floor goes to 3, the ceiling up to it. Nothing else is
+    # added: Serve hashes the autoscaling policy into the app's code version (a change there
+    # restarts every replica of the app).
+    assert port.write(ServeChange(canary_replicas=3)) == {CANARY_REPLICAS}
+    [entry] = dashboard.puts[-1]["applications"][0]["deployments"]
+    assert entry == {
+        "name": "canary",
+        "autoscaling_config": {"min_replicas": 3, "max_replicas": 3, "downscale_delay_s": 30},
+    }
+    assert port.read().canary.pool_size == 3
+    assert port.write(ServeChange(canary_replicas=3)) == frozenset()  # already there: no PUT
+    assert len(dashboard.puts) == 1
+
+    # After the rollout, back to an idle floor of 0: the raised ceiling stays.
+    assert port.write(ServeChange(canary_replicas=0)) == {CANARY_REPLICAS}
+    scaling = dashboard.puts[-1]["applications"][0]["deployments"][0]["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (0, 3)
+
+
+def test_a_pool_autoscaled_by_its_code_options_is_not_given_a_config_that_restarts_the_app() -> (
+    None
+):
+    dashboard = autoscaled_canary(0, declared=False)
+    with pytest.raises(ServeControlError, match="deployments list"):
+        port_for(dashboard).write(ServeChange(canary_replicas=1))
+    assert dashboard.puts == []
+
+
 def test_later_parts_of_a_change_win() -> None:
     first = ServeChange(targets={"canary": V42}, canary_bp=500, canary_replicas=2)
     merged = first.then(ServeChange(targets={"canary": None}, canary_replicas=1))
@@ -277,3 +332,27 @@ def test_the_in_memory_port_counts_as_the_http_port_does() -> None:
     assert state.canary is not None and len(state.canary.running) == 2
     assert fake.target("canary") == V42.model_dump(mode="json")
     assert state.router_weights == Weights.stable_only()
+
+
+def test_while_serve_rebuilds_the_app_no_user_config_is_made_from_nothing() -> None:
+    """During a rebuild (a new code version) Serve shows a deployment with no user_config:
+    drift is not judged on it, and a write is refused as a transient outage (the tick holds
+    and tries again) instead of writing a config of defaults, which would drop the
+    controller the replicas report to, their cache and the rest."""
+    stable = deployment_details("stable", None)
+    dashboard = FakeDashboard(
+        app_details(
+            deployments={
+                "stable": stable,
+                "canary": deployment_details("canary", replica_config("canary")),
+                "router": deployment_details("router", router_config()),
+            }
+        )
+    )
+    port = port_for(dashboard)
+    state = port.read()
+    assert state.stable is not None and state.stable.user_config is None
+    assert drift(state, ServeChange(targets={"stable": V42})) == frozenset()
+    with pytest.raises(ServeUnreachable, match="shows no user_config"):
+        port.write(ServeChange(targets={"stable": V42}))
+    assert dashboard.puts == []
