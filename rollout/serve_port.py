@@ -78,15 +78,10 @@ class DeploymentState:
     user_config: Mapping[str, Any] | None = None  # what was last asked for (the effective one)
     # Serve's autoscaling_config when it autoscales the deployment (None: a fixed count).
     autoscaling: Mapping[str, Any] | None = None
-
-    @property
-    def pool_size(self) -> int | None:
-        """What the controller sets as the pool's size: the autoscaler's floor, or the fixed
-        replica count (None: unknown)."""
-        if self.autoscaling is not None:
-            floor = self.autoscaling.get("min_replicas")
-            return int(floor) if floor is not None else None
-        return self.target_num_replicas
+    # The pool's size as last asked for: the autoscaler's floor, or the fixed replica count
+    # (None: unknown). What the controller sets; the replicas Serve runs may differ for a
+    # while (starting, stopping) and, when autoscaled, for load.
+    pool_size: int | None = None
 
     @property
     def running(self) -> frozenset[str]:
@@ -234,6 +229,18 @@ def drift(state: ServeState, wanted: ServeChange) -> frozenset[str]:
     return frozenset(found)
 
 
+def asked_pool_size(entry: Mapping[str, Any] | None, live: Mapping[str, Any]) -> int | None:
+    """The pool size a deployment was last asked for: its declarative entry's autoscaling
+    floor or ``num_replicas``, else the live config's (the code's options)."""
+    for source in (entry or {}, live):
+        scaling = source.get("autoscaling_config")
+        if isinstance(scaling, Mapping) and scaling.get("min_replicas") is not None:
+            return int(scaling["min_replicas"])
+        if isinstance(source.get("num_replicas"), int):
+            return int(source["num_replicas"])
+    return None
+
+
 def autoscaling_with_floor(asked: Mapping[str, Any], floor: int) -> dict[str, Any] | None:
     """The declarative config's ``autoscaling_config`` ``asked`` with ``min_replicas``
     ``floor`` (``max_replicas`` raised to it where lower); None when it already says that.
@@ -315,6 +322,7 @@ class HttpServePort:
                 applied_user_config=(live.get("deployment_config") or {}).get("user_config"),
                 user_config=effective_user_config(details, entries.get(name), self.app, name),
                 autoscaling=(live.get("deployment_config") or {}).get("autoscaling_config"),
+                pool_size=asked_pool_size(entries.get(name), live.get("deployment_config") or {}),
             )
 
         return ServeState(stable=state(STABLE), canary=state(CANARY), router=state(ROUTER))

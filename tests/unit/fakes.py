@@ -104,6 +104,11 @@ class FakeServe:
                 applied_user_config=copy.deepcopy(self.user_configs[role]),
                 user_config=copy.deepcopy(self.user_configs[role]),
                 autoscaling=copy.deepcopy(self.autoscaling.get(role)),
+                pool_size=(
+                    self.autoscaling[role]["min_replicas"]
+                    if role in self.autoscaling
+                    else len(self.replicas[role])
+                ),
             )
 
         return ServeState(stable=state("stable"), canary=state("canary"), router=state("router"))
