@@ -7,6 +7,8 @@
   memory, is new for every module: revisions start again from 1).
 - ``rollout_env`` (per test): ``env`` with stable on the baseline and no rollout running, at
   the start and at the end.
+- ``scenario`` (per test): a tests/e2e/dsl.py ``Scenario`` on ``rollout_env``, closed (its
+  cleanups run, its account printed) at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.dsl import Scenario
 from tests.e2e.harness import (
     BASELINE,
     Cluster,
@@ -50,6 +53,15 @@ def rollout_env(env: RolloutEnv) -> Iterator[RolloutEnv]:
     assert env.stable_target() == BASELINE
     yield env
     reset_rollout(env)
+
+
+@pytest.fixture
+def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Iterator[Scenario]:
+    s = Scenario(rollout_env, request.node.name)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def pytest_configure(config: pytest.Config) -> None:

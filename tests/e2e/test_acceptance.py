@@ -33,21 +33,11 @@ from tests.e2e.harness import (
     BASELINE,
     CANDIDATE,
     ROLLOUT_APP,
-    RolloutEnv,
     rank_body,
     register,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.acceptance]
-
-
-@pytest.fixture
-def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
-    s = Scenario(rollout_env, request.node.name)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def replica_report(deployment: str) -> InstanceReport:

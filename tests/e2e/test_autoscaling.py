@@ -27,15 +27,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.autoscaling]
 QUICK = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0}
 
 
-@pytest.fixture
-def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
-    s = Scenario(rollout_env, request.node.name)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 def sized(env: RolloutEnv, sizes: dict[str, dict[str, Any]]) -> None:
     """Each deployment's size in Serve's declarative config, in one PUT: ``{"num_replicas":
     n}`` or ``{"autoscaling_config": {...}}`` (the other one removed), the rest as it is."""

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.demo_artifacts import make_shadow_artifacts
 from app.packing import PackResult
 from tests.e2e.dsl import Scenario, plan
-from tests.e2e.harness import BASELINE, Cluster, RolloutEnv
+from tests.e2e.harness import BASELINE, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.shadow]
 
@@ -46,15 +46,6 @@ BAD = {
 @pytest.fixture(scope="module")
 def shadow_artifacts(cluster: Cluster) -> dict[str, PackResult]:
     return make_shadow_artifacts(cluster.work / "shadow-store", cluster.demo[BASELINE])
-
-
-@pytest.fixture
-def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Any:
-    s = Scenario(rollout_env, request.node.name)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def shadow_of(s: Scenario) -> dict[str, Any]:
