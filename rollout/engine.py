@@ -459,12 +459,18 @@ class RolloutEngine:
                     return self._hold(now, f"registry: {exc}", exc)
             try:
                 serve = self.serve.read()
-                if self._repair_drift(serve, now):
-                    serve = self.serve.read()  # what the repair left
             except RolloutSystemError as exc:
                 # Without a view of Serve nothing can be decided safely: hold.
                 self._error(f"observe: {exc}")
                 return self._hold(now, f"Serve: {exc}", exc) if active else None
+            if live is not None and active:
+                self._end_hold(live, now)  # Serve answered: the time held is given back
+            try:
+                if self._repair_drift(serve, now):
+                    serve = self.serve.read()  # what the repair left
+            except RolloutSystemError as exc:
+                self._error(f"drift repair: {exc}")
+                return self._hold(now, f"drift repair: {exc}", exc) if active else None
             live = self._live
             if live is None or not live.state.is_active:
                 return None
@@ -473,7 +479,6 @@ class RolloutEngine:
             except MetricsUnavailable as exc:
                 self._error(f"metrics: {exc}")
             observations = self._observe(live.state, now, serve)
-            self._end_hold(live, now)
             commands = tuple(self._commands)
             self._commands.clear()
             new_state, actions = machine.advance(
