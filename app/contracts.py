@@ -561,6 +561,11 @@ class RouterConfig(Contract):
     standby: StandbyConfig = StandbyConfig()
     # Off unless a rollout's shadow phase turns it on.
     shadow: ShadowRouting = ShadowRouting()
+    # False for a canary pool Serve autoscales down to no replica between rollouts: once found
+    # holding no model (or gone) at weight 0 with no mirroring, the router stops probing it,
+    # since a probe is a request and would start a replica (nor is it then a failover
+    # destination, until it gets weight or copies again).
+    probe_idle_canary: bool = True
 
     @classmethod
     def from_user_config(cls, raw: Mapping[str, Any] | RouterConfig) -> RouterConfig:

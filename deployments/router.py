@@ -422,14 +422,15 @@ class Router:
         asyncio.get_running_loop().call_later(delay, self._start_probing)
 
     def _canary_resting(self) -> bool:
-        """The canary pool at weight 0 with no copies mirrored to it, last found holding no
-        model (its target cleared between rollouts) or gone: it is not probed until it gets
-        weight or copies again. A probe is a request: one to a pool Serve autoscales with
-        ``min_replicas: 0`` would start a replica (scale from zero), and an idle pool could
-        not be a failover destination anyway."""
+        """With ``probe_idle_canary`` off (a canary pool Serve autoscales to zero between
+        rollouts): the pool at weight 0 with no copies mirrored to it, last found holding no
+        model or gone, is not probed until it gets weight or copies again. A probe is a
+        request: it would start a replica of a pool at zero, and keep an idle one from
+        scaling down."""
         health = self._health.get(CANARY)
         return (
-            health is not None
+            not self._config.probe_idle_canary
+            and health is not None
             and health.serving is False
             and self._config.canary_bp == 0
             and self._config.shadow.fraction_bp == 0

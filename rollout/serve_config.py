@@ -99,8 +99,25 @@ def render_serve_config(
 def _check_autoscaling(app: Mapping[str, Any], app_name: str) -> None:
     """Stable and the hot standby answer users at any time: Serve's autoscaler may not take
     them to zero replicas (a request would wait for one to start and load its model). The
-    canary pool may go to zero between rollouts: the controller raises its floor first."""
+    canary pool may go to zero between rollouts (the controller raises its floor first), and
+    then the router must not probe it while it is idle: a probe would start a replica."""
+    args = app.get("args") or {}
+    router = args.get("router") if isinstance(args, Mapping) else None
+    probes_idle = not isinstance(router, Mapping) or router.get("probe_idle_canary", True)
     for entry in app.get("deployments") or []:
+        if (
+            isinstance(entry, Mapping)
+            and entry.get("name") == "canary"
+            and isinstance(entry.get("autoscaling_config"), Mapping)
+            and entry["autoscaling_config"].get("min_replicas", 1) == 0
+            and probes_idle
+        ):
+            field = f"applications[{app_name}].args.router.probe_idle_canary"
+            raise ConfigError(
+                f"{field}: the canary is autoscaled to min_replicas 0, and a router that "
+                "probes it while idle keeps a replica up; set it to false",
+                field=field,
+            )
         if not isinstance(entry, Mapping) or entry.get("name") not in ("stable", "fallback"):
             continue
         scaling = entry.get("autoscaling_config")

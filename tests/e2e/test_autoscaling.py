@@ -62,7 +62,13 @@ def test_autoscaled_pools_scale_with_the_rollout_and_the_load(scenario: Scenario
     s = scenario
     env = s.env
 
+    def router_probes_idle_canary(probe: bool) -> None:
+        env.control.update_user_configs(
+            ROLLOUT_APP, {"router": lambda config: {**config, "probe_idle_canary": probe}}
+        )
+
     def fixed_sizes() -> None:
+        router_probes_idle_canary(True)
         sized(env, {"stable": {"num_replicas": 1}, "canary": {"num_replicas": 1}})
         running_again(s, "fixed sizes")
 
@@ -77,9 +83,11 @@ def test_autoscaled_pools_scale_with_the_rollout_and_the_load(scenario: Scenario
                 "stable": {"autoscaling_config": stable}})  # fmt: skip
     s.on_cleanup("fixed sizes again", fixed_sizes)
     running_again(s, "autoscaled")
+    # As configs/serve.yaml says for a canary that idles at zero: a probe would start one.
+    router_probes_idle_canary(False)
     s.given.stable_on(BASELINE).steady_traffic(rate=5)
-    # Idle between rollouts: no target, and the router does not probe it, so nothing asks
-    # the autoscaler for a replica.
+    # Idle between rollouts: no target, and the router does not probe it (probe_idle_canary
+    # off), so nothing asks the autoscaler for a replica.
     s.wait("the idle canary pool down to no replica", waits_for(env, "canary", 0), 120)
     stable_before = running(env, "stable")
     s.check(len(stable_before) == 1, f"stable replicas at low load: {stable_before}")

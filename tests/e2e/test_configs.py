@@ -126,6 +126,7 @@ def test_serve_yaml_is_sized_for_gpus_and_long_loads() -> None:
     ceiling = args.router.coalesce_calls_per_replica * args.router_replicas
     assert stable.target_ongoing_requests < ceiling and canary.target_ongoing_requests < ceiling
     assert "policy" not in overrides["canary"]["autoscaling_config"]
+    assert args.router.probe_idle_canary is False  # a probe would start an idle canary
     assert not args.router.allow_cohort_header
     # The hot standby on cheaper capacity: CPU, with a target of its own.
     assert args.fallback is not None and args.fallback.num_gpus == 0

@@ -158,10 +158,12 @@ def test_a_dead_probe_loop_is_restarted_and_reported_without_any_request(
     assert any("probe loop" in r.getMessage() for r in caplog.records), caplog.records
 
 
-def test_an_idle_canary_at_weight_0_is_not_probed_until_it_gets_users_again() -> None:
+def test_an_idle_canary_is_probed_unless_it_idles_at_zero_replicas() -> None:
     """A probe is a request: one to a canary pool Serve autoscales to zero would start a
-    replica. Once found holding no model at weight 0 it is left alone; given weight (the
-    controller does so only once its replicas report ready) it is tried at once."""
+    replica (and keep an idle one from going). With ``probe_idle_canary`` off, once found
+    holding no model at weight 0 it is left alone; given weight (the controller does so only
+    once its replicas report ready) it is tried at once. By default it is probed on, so a
+    canary given a target at 0% becomes a failover destination again."""
 
     async def main() -> None:
         stable, canary = FakeCohort("stable"), FakeCohort("canary", serving=False)
@@ -169,14 +171,18 @@ def test_an_idle_canary_at_weight_0_is_not_probed_until_it_gets_users_again() ->
         router.reconfigure({"probe_interval_s": 0.02})
         response = await router(http_request("GET", "/livez"))
         assert response.status_code == 200
-        await wait_for(lambda: canary.status_calls >= 1, "the idle canary probed once")
-        await wait_for(lambda: stable.status_calls >= 20, "stable probed on")
-        assert canary.status_calls <= 2, canary.status_calls  # one round (two asks), no more
+        await wait_for(lambda: canary.status_calls >= 20, "the idle canary probed on")
+
+        idle = {"probe_interval_s": 0.02, "probe_idle_canary": False}
+        router.reconfigure(idle)
+        asked = canary.status_calls
+        await wait_for(lambda: stable.status_calls >= asked + 20, "stable probed on")
+        assert canary.status_calls <= asked + 2, canary.status_calls  # a round at most
         assert router._health["canary"].serving is False  # no failover destination
 
         canary.serving = True  # a rollout loaded the candidate; the controller gives weight
         asked = canary.status_calls
-        router.reconfigure({"probe_interval_s": 0.02, "canary_bp": 2000})
+        router.reconfigure({**idle, "canary_bp": 2000})
         assert router._health["canary"].serving is None  # tried, not skipped, until probed
         await wait_for(lambda: router._health["canary"].serving is True, "probed at once")
         await wait_for(lambda: canary.status_calls >= asked + 10, "probed every round again")

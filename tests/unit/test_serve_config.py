@@ -105,6 +105,7 @@ def test_a_rayservice_is_rendered_inside_serve_config_v2_only() -> None:
 @pytest.mark.parametrize("deployment", ["stable", "fallback"])
 def test_stable_and_the_standby_may_not_be_autoscaled_to_zero(deployment: str) -> None:
     doc = template()
+    doc["applications"][0]["args"]["router"]["probe_idle_canary"] = False
     doc["applications"][0]["deployments"] = [
         {"name": "canary", "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
         {"name": deployment, "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
@@ -115,3 +116,14 @@ def test_stable_and_the_standby_may_not_be_autoscaled_to_zero(deployment: str) -
     doc["applications"][0]["deployments"][1]["autoscaling_config"]["min_replicas"] = 1
     out = render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=LITE)
     assert out["applications"][0]["deployments"] == doc["applications"][0]["deployments"]
+
+
+def test_a_canary_autoscaled_to_zero_needs_a_router_that_leaves_it_idle() -> None:
+    doc = template()
+    doc["applications"][0]["deployments"] = [
+        {"name": "canary", "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
+    ]
+    with pytest.raises(ConfigError, match=r"args\.router\.probe_idle_canary"):
+        render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=LITE)
+    doc["applications"][0]["args"]["router"]["probe_idle_canary"] = False
+    render_serve_config(doc, app_name="ranker", stable=STABLE, fallback=LITE)
