@@ -28,6 +28,7 @@ published entry.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -166,7 +167,13 @@ class VerifiedStream:
     """Sequential reads of one cached file. Every byte handed out is hashed from the buffer
     it was read into, after the read: what the caller keeps is exactly what was hashed, even
     if the file changes under it. Nothing read is trustworthy until ``finish`` returns; a
-    caller that fails ``finish`` drops everything it built from the bytes."""
+    caller that fails ``finish`` drops everything it built from the bytes.
+
+    The hashing of a chunk runs on a thread of its own while the next chunk is read (the read
+    and SHA-256 each release the GIL), so a load takes the longer of the two, not their sum.
+    A view handed to ``readinto`` is hashed from where it lies: the caller leaves its bytes
+    as they are until the next ``readinto`` or ``finish`` returns (a view over the memory of
+    the one before it is only read into once that one is hashed)."""
 
     def __init__(
         self, fd: int, entry: FileEntry, artifact_id: str, control: LoadControl | None
@@ -176,6 +183,10 @@ class VerifiedStream:
         self._artifact_id = artifact_id
         self._control = control
         self._hasher = hashlib.sha256()
+        # Started by the first read, from the loading thread: it inherits its CPU priority.
+        self._hashing: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._pending_span: tuple[int, int] = (0, 0)
         self.position = 0
 
     @property
@@ -190,18 +201,30 @@ class VerifiedStream:
         self.close()
 
     def close(self) -> None:
+        """Close the file; a chunk still being hashed is waited for (its memory may be freed
+        by the caller next) and its outcome dropped."""
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True)
+            self._hashing = None
+        self._pending = None
         self._file.close()
 
     def _rejected(self, category: str, detail: str) -> ArtifactRejected:
         return ArtifactRejected(category, detail, artifact_id=self._artifact_id)
 
     def readinto(self, view: memoryview) -> None:
-        """Fill all of ``view`` (a byte view) with the next bytes, then hash them; one
-        checkpoint per call, so callers pass chunks (``CHUNK_BYTES``), not whole files."""
+        """Fill all of ``view`` (a writable byte view) with the next bytes; they are hashed
+        while the caller goes on. One checkpoint per call, so callers pass chunks
+        (``CHUNK_BYTES``), not whole files."""
         view = view.cast("B")
         wanted = len(view)
         if self.position + wanted > self.size:
             raise ValueError(f"read past the declared {self.size} bytes of {self._entry.path!r}")
+        if not wanted:
+            return
+        span = _memory_span(view)
+        if span[0] < self._pending_span[1] and self._pending_span[0] < span[1]:
+            self._wait_hashed()  # the same memory as the chunk being hashed: not yet
         got = 0
         while got < wanted:
             n = self._file.readinto(view[got:])
@@ -212,11 +235,24 @@ class VerifiedStream:
                     f"manifest says {self.size}",
                 )
             got += n
-        for start in range(0, wanted, HASH_PIECE_BYTES):
-            self._hasher.update(view[start : start + HASH_PIECE_BYTES])
+        self._wait_hashed()  # in file order: the chunk before this one first
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-hash")
+        self._pending = self._hashing.submit(self._hash, view)
+        self._pending_span = span
         self.position += wanted
         advance(self._control, "load", wanted)
         checkpoint(self._control)
+
+    def _hash(self, view: memoryview) -> None:
+        for start in range(0, len(view), HASH_PIECE_BYTES):
+            self._hasher.update(view[start : start + HASH_PIECE_BYTES])
+            checkpoint(self._control)  # this thread's pacing, and a stop as soon as asked
+
+    def _wait_hashed(self) -> None:
+        if self._pending is not None:
+            pending, self._pending, self._pending_span = self._pending, None, (0, 0)
+            pending.result()
 
     def skip(self, n: int) -> None:
         """Read and hash ``n`` bytes nobody keeps (padding between tensors)."""
@@ -231,6 +267,7 @@ class VerifiedStream:
         manifest's: ArtifactRejected ``size`` / ``digest`` otherwise."""
         if self.position != self.size:
             self.skip(self.size - self.position)
+        self._wait_hashed()
         if self._file.read(1):
             raise self._rejected(
                 "size", f"cached {self._entry.path!r} is larger than the {self.size} bytes declared"
@@ -242,6 +279,12 @@ class VerifiedStream:
                 f"cached {self._entry.path!r} has sha256 {digest}, manifest says "
                 f"{self._entry.sha256} (changed after it was verified)",
             )
+
+
+def _memory_span(view: memoryview) -> tuple[int, int]:
+    """Where a non-empty writable contiguous byte view lies in memory: [start, end)."""
+    start = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return start, start + len(view)
 
 
 class Lease:
@@ -964,23 +1007,38 @@ class ArtifactCache:
         control: LoadControl | None = None,
         consume: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Stream one file into ``dest`` while hashing; the write of chunk i overlaps the read
-        and hash of chunk i+1 (two buffers, one writer thread). ``consume`` gets each chunk
-        once it is hashed (a FetchSink's consumer), before its buffer is filled again."""
+        """Stream one file into ``dest`` while hashing it: chunk i+1 is read while chunk i is
+        hashed (then handed to ``consume``, a FetchSink's consumer, in file order) on one
+        thread and written on another, in two buffers taken in turn; a buffer is read into
+        again only once its chunk is hashed, consumed and written. Reading, SHA-256 and
+        writing release the GIL, so the fetch takes about the longest of the three."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         total = 0
         buffers = (bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES))
-        pending: Future[None] | None = None
+        in_flight: list[list[Future[None]]] = [[], []]
+
+        def hash_and_consume(view: memoryview) -> None:
+            digest.update(view)
+            if consume is not None:
+                consume(view)
+            checkpoint(control)  # this thread's pacing, and a stop as soon as asked
+
         out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
+            # Both threads are started from the fetching thread and share its CPU priority;
+            # leaving the block waits for whatever they still do with the buffers.
             with (
                 source.open(item.path, size=item.bytes) as src,
-                ThreadPoolExecutor(max_workers=1) as writer,
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-hash") as hasher,
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-write") as writer,
             ):
                 index = 0
                 while True:
-                    buf = buffers[index % 2]
+                    turn = index % 2
+                    for future in in_flight[turn]:
+                        future.result()
+                    buf = buffers[turn]
                     if hasattr(src, "readinto"):
                         n = src.readinto(buf)
                     else:  # pragma: no cover - fsspec files without readinto
@@ -995,17 +1053,16 @@ class ArtifactCache:
                             "size", f"{item.path!r} is larger than the {item.bytes} bytes declared"
                         )
                     view = memoryview(buf)[:n]
-                    digest.update(view)
-                    if consume is not None:
-                        consume(view)
+                    in_flight[turn] = [
+                        hasher.submit(hash_and_consume, view),
+                        writer.submit(_write_all, out, view),
+                    ]
                     advance(control, "fetch", n)
                     checkpoint(control)
-                    if pending is not None:
-                        pending.result()
-                    pending = writer.submit(_write_all, out, view)
                     index += 1
-                if pending is not None:
-                    pending.result()
+                for futures in in_flight:
+                    for future in futures:
+                        future.result()
             if total != item.bytes:
                 raise ArtifactRejected(
                     "size", f"{item.path!r} is {total} bytes, manifest says {item.bytes}"

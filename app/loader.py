@@ -74,7 +74,8 @@ ZIP_FLAG_ENCRYPTED: Final = 0x1
 # Bytes read (and hashed) per call on their way into tensors: one checkpoint each,
 # so a cancelled load stops within this much. The cache reads in chunks of the same size.
 CHUNK_BYTES: Final = 8 << 20
-# A fetch reads each file into two such buffers (app.cache), a cache hit into one.
+# A fetch reads each file into two such buffers (app.cache), a cache hit's staged bytes
+# (header, padding, a converting or GPU load) too: one is read while the other is hashed.
 READ_BUFFERS: Final = 2
 # What a resident backbone keeps of its dry-run outputs for the next head's dry run.
 DRY_RUN_FEATURE_CACHE_BYTES: Final = 64 << 20
@@ -1166,8 +1167,10 @@ def _read_into(
     (app.cache.VerifiedStream) and handed to ``assembler``; the digest decides at the end.
     Where the assembler can take them in place (CPU, same dtype) the bytes are read straight
     into their tensor's memory; the rest (the header, padding, converting loads) goes
-    through a staging buffer no larger than the assembler asks for (a chunk at most)."""
-    staging: memoryview | None = None
+    through two staging buffers (``READ_BUFFERS``) no larger than the assembler asks for (a
+    chunk at most), in turn: one is read into while the stream still hashes the other."""
+    staging: list[memoryview | None] = [None] * READ_BUFFERS
+    turn = 0
     with artifact.open_stream(rel, control) as stream:
         while stream.position < stream.size:
             left = stream.size - stream.position
@@ -1177,12 +1180,16 @@ def _read_into(
                 assembler.placed(len(target))
                 continue
             wanted = assembler.wanted(left)
-            if staging is None or len(staging) < wanted:
+            buffer = staging[turn]
+            if buffer is None or len(buffer) < wanted:
                 # Pinned for a GPU: the copy to the device is a DMA from it. The assembler
-                # has copied a chunk out before the next is read into the same buffer.
-                buffer = torch.empty(wanted, dtype=torch.uint8, pin_memory=device.type == "cuda")
-                staging = memoryview(buffer.numpy())
-            view = staging[:wanted]
+                # has copied a chunk out before a later one is read into the same buffer.
+                pinned = device.type == "cuda"
+                block = torch.empty(wanted, dtype=torch.uint8, pin_memory=pinned)
+                buffer = memoryview(block.numpy())
+                staging[turn] = buffer
+            turn = (turn + 1) % READ_BUFFERS
+            view = buffer[:wanted]
             stream.readinto(view)
             assembler.feed(view)
         stream.finish()

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from app.cache import ArtifactCache, CacheLimits
 from app.errors import ArtifactRejected
+from app.load_control import LoadCancelled, LoadControl
 from app.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from app.polling import wait_until
 from app.signing import generate_keypair
@@ -388,3 +390,98 @@ def test_eviction_with_everything_leased_removes_nothing(tmp_path):
     for lease in leases:
         lease.release()
     assert len(cache.evict()) == 1
+
+
+class RecordingPacer:
+    """A pacer (app.load_pacing's interface) that notes which threads reach a checkpoint and
+    holds up the stream's hashing thread, so a read that did not wait for it would overwrite
+    the bytes it is still hashing."""
+
+    def __init__(self, hold_s: float = 0.0) -> None:
+        self.threads: set[str] = set()
+        self.hold_s = hold_s
+        self.paused_s = 0.0
+
+    def checkpoint(self) -> None:
+        name = threading.current_thread().name
+        self.threads.add(name.rsplit("_", 1)[0])
+        if name.startswith(("verify-hash", "fetch-hash")):
+            time.sleep(self.hold_s)
+
+
+BIG_PAYLOAD = {"weights.bin": os.urandom(3 * (8 << 20) + 12_345)}
+
+
+def test_a_stream_hashes_on_its_own_thread_while_the_next_chunk_is_read(tmp_path):
+    art = make_file_artifact(tmp_path, BIG_PAYLOAD)
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(art.manifest_uri, art.manifest_sha256)
+    pacer = RecordingPacer()
+    data = got.read_verified("weights.bin", LoadControl(pacer=pacer))
+    assert data == BIG_PAYLOAD["weights.bin"]
+    assert {"verify-hash", "MainThread"} <= pacer.threads
+
+
+def test_a_buffer_read_into_again_waits_until_its_last_chunk_is_hashed(tmp_path):
+    """One 8 MiB buffer for every chunk while the hashing thread lags: each read must wait
+    for the hash of the bytes it would overwrite, else the digest comes out wrong."""
+    art = make_file_artifact(tmp_path, BIG_PAYLOAD)
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(art.manifest_uri, art.manifest_sha256)
+    buffer = memoryview(bytearray(8 << 20))
+    seen = bytearray()
+    with got.open_stream("weights.bin", LoadControl(pacer=RecordingPacer(hold_s=0.05))) as stream:
+        while stream.position < stream.size:
+            n = min(len(buffer), stream.size - stream.position)
+            stream.readinto(buffer[:n])
+            seen += buffer[:n]
+        stream.finish()  # raises ``digest`` if any chunk was hashed after being overwritten
+    assert seen == BIG_PAYLOAD["weights.bin"]
+
+
+def test_a_byte_changed_in_the_cache_while_hashing_lags_is_still_caught(tmp_path):
+    art = make_file_artifact(tmp_path, BIG_PAYLOAD)
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(art.manifest_uri, art.manifest_sha256)
+    cached = got.path / "weights.bin"
+    cached.chmod(0o644)
+    with open(cached, "r+b") as fh:
+        fh.seek(2 * (8 << 20) + 5)
+        fh.write(bytes([BIG_PAYLOAD["weights.bin"][2 * (8 << 20) + 5] ^ 0x01]))
+    with pytest.raises(ArtifactRejected) as info:
+        got.read_verified("weights.bin", LoadControl(pacer=RecordingPacer(hold_s=0.02)))
+    assert info.value.category == "digest"
+
+
+def test_a_cancelled_stream_stops_within_a_chunk_while_its_hashing_runs_behind(tmp_path):
+    art = make_file_artifact(tmp_path, BIG_PAYLOAD)
+    got = ArtifactCache(tmp_path / "cache").fetch_verified(art.manifest_uri, art.manifest_sha256)
+    control = LoadControl(pacer=RecordingPacer())
+    chunks = 0
+    with pytest.raises(LoadCancelled), got.open_stream("weights.bin", control) as stream:
+        buffers = [memoryview(bytearray(8 << 20)) for _ in range(2)]
+        while stream.position < stream.size:
+            n = min(8 << 20, stream.size - stream.position)
+            stream.readinto(buffers[chunks % 2][:n])
+            chunks += 1
+            if chunks == 1:
+                control.cancel("a newer target")
+        stream.finish()
+    assert chunks <= 2  # stopped within one chunk of the cancel
+
+
+def test_a_cold_fetch_hashes_and_writes_on_threads_of_their_own_and_feeds_in_file_order(
+    tmp_path,
+):
+    art = make_file_artifact(tmp_path, BIG_PAYLOAD)
+    pacer = RecordingPacer(hold_s=0.03)
+    fed = bytearray()
+
+    class Sink:
+        def start(self, manifest):
+            return {"weights.bin": lambda view: fed.extend(view)}
+
+    cache = ArtifactCache(tmp_path / "cache")
+    got = cache.fetch_verified(
+        art.manifest_uri, art.manifest_sha256, control=LoadControl(pacer=pacer), sink=Sink()
+    )
+    assert fed == BIG_PAYLOAD["weights.bin"]
+    assert (got.path / "weights.bin").read_bytes() == BIG_PAYLOAD["weights.bin"]
+    assert "fetch-hash" in pacer.threads
