@@ -77,6 +77,7 @@ if cuda:
 total = time.perf_counter() - started
 print(json.dumps({
     "cached": artifact.cached,
+    "fetch_s": artifact.timings.get("fetch_s"),
     "load_s": total - model.timings["dry_run"],
     "dry_run_s": model.timings["dry_run"],
     "host_peak_added": hwm() - before,
@@ -364,7 +365,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0, help="weights size (default 8)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--swap-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--swap-seconds", type=float, default=20.0, help="the swap's request loop (0: skip)"
+    )
     parser.add_argument(
         "--batch-seconds", type=float, default=3.0, help="per batching load level (0: skip)"
     )
@@ -402,8 +405,10 @@ def main() -> None:
             return packed
 
         large = {"hidden_dim": hidden, "num_layers": layers, "context_dim": 16}
-        packed = [pack(1, "gpu-a", large), pack(2, "gpu-b", large)]
-        small = pack(3, "gpu-default", None)  # the demo model's architecture
+        swapping = args.swap_seconds > 0
+        packed = [pack(1, "gpu-a", large)] + ([pack(2, "gpu-b", large)] if swapping else [])
+        # The demo model's architecture, for batching.
+        small = pack(3, "gpu-default", None) if args.batch_seconds > 0 else None
         weights_file = packed[0].out_dir / "weights.safetensors"
         figures.update(
             step(
@@ -433,6 +438,8 @@ def main() -> None:
             run = probe(cache_root, packed[0], device)
             weights = run["weights"]
             loads[f"{name}_load_s"] = round(run["load_s"], 2)
+            if run["fetch_s"] is not None:  # a cold load's fetch, which fed the weights
+                loads[f"{name}_fetch_s"] = round(run["fetch_s"], 2)
             loads[f"{name}_dry_run_s"] = round(run["dry_run_s"], 3)
             loads[f"{name}_host_peak_ratio"] = round(run["host_peak_added"] / weights, 3)
             for key in ("device_allocated_peak", "device_reserved_peak"):
@@ -448,16 +455,27 @@ def main() -> None:
             loads["warm_load_vs_h2d"] = round(loads["warm_load_s"] / h2d_s, 2)  # type: ignore[operator]
         figures.update(step("loads", loads))
 
+        if not swapping and small is None:
+            print(json.dumps(figures))
+            return
         replica = RankerReplica("gpu-check", device=device, loader_nice=0)
         config = {"cohort": "stable", "cache_dir": str(root / "swap-cache")}
         try:
-            figures.update(
-                step(
-                    "swap",
-                    swap_under_load(replica, config, packed[0], packed[1], args.swap_seconds),
+            if swapping:
+                figures.update(
+                    step(
+                        "swap",
+                        swap_under_load(replica, config, packed[0], packed[1], args.swap_seconds),
+                    )
                 )
-            )
-            if args.batch_seconds > 0:
+            else:
+                replica.reconfigure(
+                    {**config, "target": packed[0].target(1).model_dump(mode="json")}
+                )
+                deadline = time.monotonic() + 600
+                while replica.report().actual_revision != 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if small is not None:
                 levels = [4, 16, 32, 64]
                 large_batching = batching_at_equal_p99(replica, levels, args.batch_seconds)
                 replica.reconfigure({**config, "target": small.target(4).model_dump(mode="json")})

@@ -49,3 +49,13 @@ def test_its_steps_run_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         assert batching["batched_p99_ms"] is None or (
             batching["batched_p99_ms"] <= batching["unbatched_p99_ms"]
         )
+
+
+def test_swap_and_batching_can_be_left_out_to_measure_the_loads_alone(tmp_path: Path) -> None:
+    figures = run(
+        "--device", "cpu", "--gib", "0.02", "--swap-seconds", "0", "--batch-seconds", "0",
+        "--tmp", str(tmp_path),
+    )  # fmt: skip
+    assert figures["cold_load_s"] > 0 and figures["warm_load_s"] > 0
+    assert figures["cold_fetch_s"] > 0 and "warm_fetch_s" not in figures  # a hit fetches nothing
+    assert "swap_s" not in figures and "batching_large" not in figures
