@@ -12,17 +12,29 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from app.polling import WaitTimeout, wait_until
 from rollout.serve_control import ServeControl
 
+# Ports this process has handed out. The kernel may give a port that was just closed again
+# to the next bind: two of one node's components on the same port and `ray start` refuses.
+_GIVEN_PORTS: set[int] = set()
+_GIVEN_PORTS_LOCK = threading.Lock()
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, and never one this process was given before."""
+    with _GIVEN_PORTS_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _GIVEN_PORTS:
+                _GIVEN_PORTS.add(port)
+                return port
 
 
 @dataclass(frozen=True)
