@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import yaml
 
-from app.contracts import AppArgs, Target
+from app.contracts import AppArgs, RouterConfig, Target
 from app.errors import ConfigError
 
 RAYSERVICE_KIND: Final = "RayService"
@@ -103,26 +103,24 @@ def _check_autoscaling(app: Mapping[str, Any], app_name: str) -> None:
     then the router must not probe it while it is idle: a probe would start a replica."""
     args = app.get("args") or {}
     router = args.get("router") if isinstance(args, Mapping) else None
-    probes_idle = not isinstance(router, Mapping) or router.get("probe_idle_canary", True)
+    probes_idle = RouterConfig.model_fields["probe_idle_canary"].default
+    if isinstance(router, Mapping):
+        probes_idle = router.get("probe_idle_canary", probes_idle)
     for entry in app.get("deployments") or []:
-        if (
-            isinstance(entry, Mapping)
-            and entry.get("name") == "canary"
-            and isinstance(entry.get("autoscaling_config"), Mapping)
-            and entry["autoscaling_config"].get("min_replicas", 1) == 0
-            and probes_idle
-        ):
+        if not isinstance(entry, Mapping):
+            continue
+        scaling = entry.get("autoscaling_config")
+        floor = scaling.get("min_replicas", 1) if isinstance(scaling, Mapping) else 1
+        if entry.get("name") == "canary" and floor == 0 and probes_idle:
             field = f"applications[{app_name}].args.router.probe_idle_canary"
             raise ConfigError(
                 f"{field}: the canary is autoscaled to min_replicas 0, and a router that "
                 "probes it while idle keeps a replica up; set it to false",
                 field=field,
             )
-        if not isinstance(entry, Mapping) or entry.get("name") not in ("stable", "fallback"):
-            continue
-        scaling = entry.get("autoscaling_config")
-        floor = scaling.get("min_replicas", 1) if isinstance(scaling, Mapping) else 1
-        if not isinstance(floor, int) or floor < 1:
+        if entry.get("name") in ("stable", "fallback") and (
+            not isinstance(floor, int) or floor < 1
+        ):
             field = (
                 f"applications[{app_name}].deployments[{entry['name']}]"
                 ".autoscaling_config.min_replicas"
