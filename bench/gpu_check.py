@@ -239,6 +239,15 @@ def swap_under_load(replica, config: dict, first, second, seconds: float) -> dic
     }
 
 
+def serve_target(replica, config: dict, packed, revision: int) -> None:
+    """``replica`` given ``packed`` as its target at ``revision``; back once it serves it (or
+    after 10 minutes)."""
+    replica.reconfigure({**config, "target": packed.target(revision).model_dump(mode="json")})
+    deadline = time.monotonic() + 600
+    while replica.report().actual_revision != revision and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class CallBatcher:
     """What ``@serve.batch`` does on a replica, in this process: one serving thread takes
     the first waiting call, then more for up to ``wait_s`` (at most ``max_batch`` calls in
@@ -471,19 +480,11 @@ def main() -> None:
                     )
                 )
             else:
-                replica.reconfigure(
-                    {**config, "target": packed[0].target(1).model_dump(mode="json")}
-                )
-                deadline = time.monotonic() + 600
-                while replica.report().actual_revision != 1 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                serve_target(replica, config, packed[0], 1)
             if small is not None:
                 levels = [4, 16, 32, 64]
                 large_batching = batching_at_equal_p99(replica, levels, args.batch_seconds)
-                replica.reconfigure({**config, "target": small.target(4).model_dump(mode="json")})
-                deadline = time.monotonic() + 600
-                while replica.report().actual_revision != 4 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                serve_target(replica, config, small, 4)
                 default_batching = batching_at_equal_p99(replica, levels, args.batch_seconds)
                 figures.update(
                     step(
