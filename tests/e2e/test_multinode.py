@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,34 @@ def spread(cluster: MultiNodeCluster) -> dict[str, dict[str, int]]:
     return cluster.replicas_by_node("ranker")
 
 
+class CanaryCapacity:
+    """Serve's own count of RUNNING canary replicas, sampled once a second from the dashboard
+    (what Serve says, not what the controller was told) until stopped."""
+
+    def __init__(self, cluster: MultiNodeCluster) -> None:
+        self.cluster = cluster
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                running = sum((spread(self.cluster).get("canary") or {}).values())
+            except Exception:  # the dashboard busy for a moment: a gap, not a zero
+                continue
+            self.samples.append((time.time(), running))
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return self.samples
+
+    def first_at_or_after(self, at: float) -> int | None:
+        return next((n for t, n in self.samples if t >= at), None)
+
+
 def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNodeEnv) -> None:
     workers = mn.cluster.worker_node_ids()
     assert len(workers) == 2
@@ -196,16 +226,21 @@ def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> 
     traffic, then the controller's process (on the head node, so the node's loss left it
     running) while the node is still gone. Clients that retry as app/client.py does lose
     nothing; Serve starts the lost replicas again on worker 1, and each serves its desired
-    target; the controller comes back, resumes the rollout from the registry and ends it by
-    its rules."""
+    target; while Serve runs fewer canary replicas than the step needs, the canary's weight
+    does not go up; the controller comes back, resumes the rollout from the registry and ends
+    it by its rules."""
     assert mn.stable_artifact() == CANDIDATE
     traffic = retrying_clients(mn.cluster.http_url, concurrency=4)
+    capacity: CanaryCapacity | None = None
     try:
         mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
         mn.wait_canary_weight()
         _, lost = mn.cluster.workers
         before = mn.controller_pid()
         assert before is not None
+        at_kill = mn.status()
+        capacity = CanaryCapacity(mn.cluster)
+        killed_at = time.time()
         mn.cluster.kill_worker(lost)
         wait_until(
             lambda: len(mn.cluster.worker_node_ids()) == 1, 60, "the lost node declared dead"
@@ -239,6 +274,36 @@ def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> 
         wait_until(serving_their_targets, 120, "every replica on its desired target", every=1.0)
     finally:
         records = traffic.stop()
+        samples = capacity.stop() if capacity is not None else []
+    # Capacity before traffic, while a node is gone: the canary's weight went up only once
+    # Serve ran as many canary replicas as the step needs (PLAN: 2), never on the strength of
+    # the lost node's replicas. The sample taken at or just after a raise shows what ran then
+    # (a replica that was RUNNING before it still is; one that came up after it is not
+    # counted, so a raise made while capacity was short fails here).
+    assert any(n < PLAN["canary_scaling"]["min_replicas"] for _, n in samples), samples
+    registry = open_registry(mn.db)
+    try:
+        events = registry.get_rollout(at_kill["rollout"]).state.get("events", [])
+    finally:
+        registry.close()
+    at_kill_bp = (at_kill.get("weights") or {}).get("canary_bp", 0)
+    needed = PLAN["canary_scaling"]["min_replicas"]
+    raises = [
+        e
+        for e in events
+        if e["event"] == "weights"
+        and e["at"] > killed_at
+        and (e.get("canary_bp") or 0) > at_kill_bp
+    ]
+    for event in raises:
+        assert capacity is not None
+        running = capacity.first_at_or_after(event["at"])
+        assert running is None or running >= needed, (event, samples)
+    print(
+        f"multinode: canary replicas Serve ran after the loss {[n for _, n in samples]}; "
+        f"weight raises after it (s, bp) "
+        f"{[(round(e['at'] - killed_at, 1), e['canary_bp']) for e in raises]}"
+    )
     assert len(records) > 50
     gave_up = [r for r in records if not 200 <= r.status < 300]
     assert gave_up == [], gave_up[:5]
