@@ -240,6 +240,24 @@ def flat(groups: list[list[float]]) -> list[float]:
     return [x for group in groups for x in group]
 
 
+def pin_proxies(cores: set[int]) -> list[int]:
+    """Move every thread of Serve's HTTP proxies onto ``cores`` (a thread keeps the affinity it
+    was created with, so each one is set, as ``taskset -a`` does)."""
+    from ray.util.state import list_actors
+
+    pids = [
+        int(actor.pid)
+        for actor in list_actors(filters=[("class_name", "=", "ProxyActor")], detail=True)
+        if actor.state == "ALIVE" and actor.pid
+    ]
+    if not pids:
+        raise RuntimeError("no live ProxyActor to move")
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cores)
+    return pids
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="per throughput phase")
@@ -285,6 +303,15 @@ def main() -> int:
         choices=("single", "multinode"),
         default="single",
         help="one node, or a CPU-less head on core 0 and a worker node on core 1",
+    )
+    parser.add_argument(
+        "--proxy-core",
+        choices=("head", "worker"),
+        default="head",
+        help="(multinode) the core of the HTTP proxy that takes the load: the head's, beside "
+        "the Serve controller and dashboard, or the worker's, as proxy_location: EveryNode "
+        "puts one on every node of a real cluster (one host cannot run two on one port, so "
+        "the head's proxy is moved onto the worker's core)",
     )
     args = parser.parse_args()
     measured = [kind for kind in KINDS if kind in args.kinds.split(",")]
@@ -371,6 +398,10 @@ def main() -> int:
         )
         # One proxy, on the head node (on the multinode layout, beside the control plane).
         cluster.deploy(applications, timeout_s=180)
+        if multinode is not None and args.proxy_core == "worker":
+            assert multinode.worker_cpus is not None
+            moved = pin_proxies({int(c) for c in multinode.worker_cpus.split(",")})
+            print(f"HTTP proxy (pid {', '.join(map(str, moved))}) moved to the worker's core")
         handles = {
             name: serve.get_deployment_handle(name, app_name="routed")
             for name in ("stable", "canary")
