@@ -56,6 +56,7 @@ def main() -> None:
     rows += run("bench_signature.py", *(["--quick"] if quick else []))
     rows += run("bench_rollout.py", "--rounds", "1" if quick else "3")
     rows += run("bench_judge.py", *(["--quick"] if quick else []))
+    rows += run("judge_floor.py")
     rows += run("bench_shadow.py", *(["--quick"] if quick else []))
     rows += run("bench_head_swap.py", *(["--quick"] if quick else []))
     rows += run("bench_registry.py")

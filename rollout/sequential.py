@@ -357,8 +357,8 @@ def slower_than(buckets: Mapping[float, float], limit: float) -> tuple[int, int]
     possibly slower when ``upper > limit``. The evidence against the canary counts only the
     certain ones and the evidence for it counts every possible one, so bucket boundaries only
     ever make either side slower to conclude, never wrong. Both agree when ``limit`` is a
-    bucket bound; the router's bounds step by about 1.5x, so a 1.5x limit off a reference on a
-    bound lands on the next one."""
+    bucket bound; otherwise the requests of the one bucket that holds ``limit`` are undecided,
+    which is why the router's bounds step by at most 1.1x where latencies of interest lie."""
     total = buckets.get(math.inf, 0.0)
     if total <= 0:
         return 0, 0
