@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import numpy as np
@@ -208,6 +209,37 @@ def assert_all_ok(records: Sequence[RequestRecord]) -> None:
         f"{len(bad)} of {len(records)} requests failed: {dict(Counter(r.status for r in bad))} "
         f"(0: no HTTP answer), first {bad[:5]}"
     )
+
+
+T = TypeVar("T")
+
+
+class Sampler(Generic[T]):
+    """Calls ``sample`` every ``every_s`` on a thread of its own until stopped, keeping
+    ``(clock(), value)`` pairs stamped when the call began (the value shows the state at that
+    moment or later, never earlier); a call that raises (a service busy for a moment) leaves a
+    gap, not a value."""
+
+    def __init__(self, sample: Callable[[], T], every_s: float, clock: Callable[[], float]):
+        self.samples: list[tuple[float, T]] = []
+        self._sample, self._every_s, self._clock = sample, every_s, clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            at = self._clock()
+            try:
+                value = self._sample()
+            except Exception:
+                continue
+            self.samples.append((at, value))
+
+    def stop(self, timeout_s: float = 30.0) -> list[tuple[float, T]]:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return self.samples
 
 
 # ====================================================================== the session cluster

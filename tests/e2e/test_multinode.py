@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from app.polling import wait_until
 from app.registry import open_registry
 from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
 from rollout.multinode import MultiNodeCluster, multinode_cluster
-from tests.e2e.harness import FAST_PLAN, failed, retrying_clients, steady_traffic
+from tests.e2e.harness import FAST_PLAN, Sampler, failed, retrying_clients, steady_traffic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multinode]
 
@@ -159,24 +158,13 @@ class CanaryCapacity:
     (what Serve says, not what the controller was told) until stopped."""
 
     def __init__(self, cluster: MultiNodeCluster) -> None:
-        self.cluster = cluster
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                running = sum((spread(self.cluster).get("canary") or {}).values())
-            except Exception:  # the dashboard busy for a moment: a gap, not a zero
-                continue
-            self.samples.append((time.time(), running))
+        self._sampler = Sampler(
+            lambda: sum((spread(cluster).get("canary") or {}).values()), 1.0, time.time
+        )
+        self.samples = self._sampler.samples
 
     def stop(self) -> list[tuple[float, int]]:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        return self.samples
+        return self._sampler.stop()
 
     def first_at_or_after(self, at: float) -> int | None:
         return next((n for t, n in self.samples if t >= at), None)

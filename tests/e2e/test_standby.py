@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from tests.e2e.harness import (
     FALLBACK_ARTIFACT,
     STANDBY_APP,
     Cluster,
+    Sampler,
     StandbyEnv,
     failed,
     rank_body,
@@ -96,22 +96,11 @@ class StandbyRecorder:
     run's clock (``TrafficRun.now_s``), so requests and breaker states line up."""
 
     def __init__(self, env: StandbyEnv, run: TrafficRun) -> None:
-        self.env, self.run = env, run
-        self.views: list[tuple[float, dict[str, Any]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                self.views.append((self.run.now_s(), self.env.standby()))
-            except Exception:
-                continue
+        self._sampler = Sampler(env.standby, 0.2, run.now_s)
+        self.views = self._sampler.samples
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        self._sampler.stop(10)
 
     def breaker_states(self) -> list[tuple[float, str]]:
         """(time, stable's breaker state), at each change."""
