@@ -11,7 +11,7 @@ import pytest
 
 from app.contracts import InstanceReport
 from app.polling import wait_until
-from tests.e2e.harness import APP, Cluster, assert_all_ok, client_load
+from tests.e2e.harness import APP, STABLE_REPLICAS, Cluster, assert_all_ok, client_load
 
 pytestmark = pytest.mark.e2e
 
@@ -133,8 +133,14 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
             cluster.set_target("stable", slow_target)
             wait_until(lambda: server.waiting("ranker-slow") >= 1, 60, "slow download started")
 
+            def stable_reports() -> list[InstanceReport]:
+                # Every stable replica, never none: an empty set would pass any "all of them".
+                reports = list(cluster.latest_reports("stable").values())
+                assert len(reports) == STABLE_REPLICAS, f"{len(reports)} stable reports"
+                return reports
+
             def loading() -> bool:
-                for rep in cluster.latest_reports("stable").values():
+                for rep in stable_reports():
                     assert rep.desired_revision == slow_rev and rep.phase == "loading", rep
                 return True
 
@@ -147,17 +153,14 @@ def test_slow_candidate_overtaken_by_a_rollback_never_installs(serving: Cluster)
             # Rollback while the candidate is still downloading.
             cluster.set_target("stable", cluster.target(cluster.demo["ranker-v41"], rollback_rev))
             wait_until(
-                lambda: all(
-                    r.desired_revision == rollback_rev
-                    for r in cluster.latest_reports("stable").values()
-                ),
+                lambda: all(r.desired_revision == rollback_rev for r in stable_reports()),
                 30,
                 "rollback target recorded",
                 retry_on=(Exception,),
             )
             server.release("ranker-slow")
             cluster.wait_cohort_serving("stable", "ranker-v41", rollback_rev)
-            for rep in cluster.latest_reports("stable").values():
+            for rep in stable_reports():
                 # Never installed: stopped at its first chunk once released (or, had it
                 # been done already, loaded and dropped).
                 assert slow_rev in rep.cancelled_revisions + rep.discarded_revisions, rep

@@ -91,7 +91,14 @@ def test_a_marked_cache_with_foreign_files_still_opens(tmp_path):
     root = tmp_path / "cache"
     ArtifactCache(root)
     (root / "README").write_text("node cache")
-    ArtifactCache(root)
+    reopened = ArtifactCache(root)
+    # Opened as the cache it was, the stray file left as it was, and usable.
+    assert (root / CACHE_MARKER_NAME).is_file()
+    assert (root / "README").read_text() == "node cache"
+    assert reopened.swept == []
+    art = make_file_artifact(tmp_path, {"w.bin": os.urandom(1000)}, "after-reopen-1")
+    assert not reopened.fetch_verified(art.manifest_uri, art.manifest_sha256).cached
+    assert ArtifactCache(root).fetch_verified(art.manifest_uri, art.manifest_sha256).cached
 
 
 def test_a_cache_from_before_the_marker_is_adopted_with_its_entries(tmp_path):

@@ -61,7 +61,13 @@ def every_contract() -> list[type[BaseModel]]:
 
 
 def test_every_contract_refuses_unknown_fields_and_is_frozen() -> None:
-    for model in every_contract():
+    models = every_contract()
+    # The walk finds the contracts at all (an empty list would pass the loop below), the ones
+    # every process shares among them.
+    names = {model.__name__ for model in models}
+    assert {"AppArgs", "ReplicaConfig", "RouterConfig", "Target", "InstanceReport"} <= names, names
+    assert len(models) >= 20, names
+    for model in models:
         assert model.model_config.get("extra") == "forbid", model.__name__
         assert model.model_config.get("frozen") is True, model.__name__
 

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from app.errors import ConfigError
+from app.errors import ArtifactRejected, ConfigError
 from app.signing import (
     generate_keypair,
     load_signing_key,
@@ -194,7 +195,20 @@ def test_a_symlinked_key_is_read(tmp_path: Path) -> None:
     # Mounted secrets (Kubernetes) are symlinks: following them is right for a key.
     generate_keypair(tmp_path / "sign.pem", tmp_path / "trust.pem")
     (tmp_path / "link.pem").symlink_to(tmp_path / "trust.pem")
-    load_trusted_key(tmp_path / "link.pem")
+    key = load_trusted_key(tmp_path / "link.pem")
+    # The key behind the link, the one that checks what its private half signed.
+    assert raw_public(key) == raw_public(load_trusted_key(tmp_path / "trust.pem"))
+    manifest = b'{"artifact_id": "linked"}'
+    signature = sign_manifest(manifest, tmp_path / "sign.pem")
+    verify_manifest_signature(manifest, signature, key)  # type: ignore[arg-type]
+    with pytest.raises(ArtifactRejected):
+        verify_manifest_signature(manifest + b" ", signature, key)  # type: ignore[arg-type]
+
+
+def raw_public(key: object) -> bytes:
+    return key.public_bytes(  # type: ignore[attr-defined]
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
 
 
 def test_rollout_verify_with_a_fifo_as_trust_key_exits_6_at_once(tmp_path: Path) -> None:
