@@ -362,6 +362,19 @@ def read_regular(path: Path, what: str, limit: int) -> bytes:
 
 _LAYOUT: Final = ("artifacts", "tmp", "locks", "leases")
 # What the code before the marker left in each directory of the layout (names it makes).
+# A node's own cache directory, set in its raylet's environment (its replicas inherit it):
+# nodes whose fast disk is mounted elsewhere, several nodes on one host. It wins over the
+# config's cache_dir, which is one path for every replica of the application.
+NODE_CACHE_DIR_ENV = "RANKER_CACHE_DIR"
+
+
+def node_cache_dir(configured: str) -> str:
+    """The cache directory of a replica on this node: the node's when the node names one (made
+    absolute against the working directory), else ``configured``."""
+    node = os.environ.get(NODE_CACHE_DIR_ENV)
+    return os.path.abspath(node) if node else configured
+
+
 _DIGEST = "[0-9a-f]{64}"
 _PREMARKER_NAMES: Final = {
     "artifacts": re.compile(_DIGEST),

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from app.cache import ArtifactCache
+from app.cache import NODE_CACHE_DIR_ENV, ArtifactCache, node_cache_dir
 from app.contracts import (
     MAX_EVALUATION_ENTRIES,
     MAX_REPORTED_REVISIONS,
@@ -118,19 +118,6 @@ def uri_in(raw: Mapping[str, Any] | ReplicaConfig) -> str:
     target = raw.get("target") if isinstance(raw, Mapping) else None
     uri = target.get("manifest_uri") if isinstance(target, Mapping) else None
     return uri if isinstance(uri, str) else ""
-
-
-# A node's own cache directory, set in its raylet's environment (its replicas inherit it):
-# nodes whose fast disk is mounted elsewhere, several nodes on one host. It wins over the
-# config's cache_dir, which is one path for every replica of the application.
-NODE_CACHE_DIR_ENV = "RANKER_CACHE_DIR"
-
-
-def node_cache_dir(configured: str) -> str:
-    """The cache directory of this replica: its node's when the node names one (made absolute
-    against the replica's working directory)."""
-    node = os.environ.get(NODE_CACHE_DIR_ENV)
-    return os.path.abspath(node) if node else configured
 
 
 class RankerReplica:

@@ -13,7 +13,8 @@ verdict.
 
 from __future__ import annotations
 
-from ray.util import metrics
+from collections.abc import Callable
+from typing import Any
 
 from app import telemetry as t
 from rollout.sequential import SAMPLE_RATIO, enabled_checks
@@ -21,22 +22,34 @@ from rollout.state import RolloutState, capped
 
 TAG_KEYS = (t.MODEL, t.CHECK, t.SIDE)
 
+# Makes a metric from (name, description=..., tag_keys=...), as ray.util.metrics' classes do.
+MetricFactory = Callable[..., Any]
+
 
 class ControllerMetrics:
-    def __init__(self) -> None:
-        self.evidence = metrics.Gauge(
+    """The controller's series. ``gauge`` and ``counter`` make them: Ray's metrics classes in
+    the actor (the default); a recorder in the unit tests, which load no Ray."""
+
+    def __init__(
+        self, gauge: MetricFactory | None = None, counter: MetricFactory | None = None
+    ) -> None:
+        if gauge is None or counter is None:
+            from ray.util import metrics
+
+            gauge, counter = gauge or metrics.Gauge, counter or metrics.Counter
+        self.evidence = gauge(
             t.ROLLOUT_EVIDENCE,
             description="Sequential judge: e-value against / for the canary, per check",
             tag_keys=TAG_KEYS,
         )
-        self.bound = metrics.Gauge(
+        self.bound = gauge(
             t.ROLLOUT_EVIDENCE_BOUND,
             description="Sequential judge: the e-value at which a check fails / passes",
             tag_keys=TAG_KEYS,
         )
         # (model, check, side) of every series set for the rollout being judged.
         self._live: set[tuple[str, str, str]] = set()
-        self.drift_repairs = metrics.Counter(
+        self.drift_repairs = counter(
             t.ROLLOUT_DRIFT_REPAIRS,
             description="Serve config settings found changed behind the controller and repaired",
             tag_keys=(t.MODEL, t.DRIFT),

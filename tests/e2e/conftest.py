@@ -63,8 +63,3 @@ def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Iterato
     finally:
         s.close()
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Ray Serve's own pydantic models warn on import; not ours to fix.
-    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:ray.*")
-    config.addinivalue_line("filterwarnings", "ignore:Using extra keyword arguments on `Field`")

@@ -36,10 +36,8 @@ class RecordingCounter:
 
 
 @pytest.fixture
-def exported(monkeypatch) -> controller_metrics.ControllerMetrics:
-    monkeypatch.setattr(controller_metrics.metrics, "Gauge", RecordingGauge)
-    monkeypatch.setattr(controller_metrics.metrics, "Counter", RecordingCounter)
-    return controller_metrics.ControllerMetrics()
+def exported() -> controller_metrics.ControllerMetrics:
+    return controller_metrics.ControllerMetrics(gauge=RecordingGauge, counter=RecordingCounter)
 
 
 def test_drift_repairs_are_counted_once_each_by_what_drifted(exported) -> None:

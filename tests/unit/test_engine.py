@@ -14,12 +14,9 @@ import pytest
 
 from app.contracts import CommandAccepted, ControllerSettings, InstanceReport, ReplicaPhase
 from app.errors import InvalidState, RegistryUnavailable
-from app.polling import wait_until
 from app.registry import Registry, open_registry
-from rollout.actor import RolloutController
 from rollout.analysis import CohortStats, WindowStats
 from rollout.engine import RolloutEngine
-from rollout.local_cluster import free_port
 from rollout.machine import Abort
 from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
@@ -373,23 +370,6 @@ def test_an_audit_record_waits_for_the_writes_before_it(registry: Registry) -> N
     events = [e.event for e in world.engine.live.events]
     assert events.count("finished") == 1 and events[-1] == "finished"
     assert world.serve.target("canary") is None
-
-
-def test_a_failed_drift_repair_does_not_stop_the_ticks(tmp_path: Path) -> None:
-    # The actor's loop, run as a plain object: the dashboard refuses every connection, so
-    # the repair fails on every pass, and the ticks (which hold, serving untouched) go on.
-    settings = ControllerSettings(
-        registry_url=f"sqlite:///{tmp_path / 'registry.db'}",
-        dashboard_url=f"http://127.0.0.1:{free_port()}",
-        tick_interval_s=0.02,
-    )
-    controller = RolloutController(settings.model_dump())
-    try:
-        wait_until(lambda: controller._ticks >= 3, 30, "three ticks", every=0.02)
-        assert controller.repaired is None
-        assert any(e.startswith("drift repair: ServeUnreachable") for e in controller.engine.errors)
-    finally:
-        controller.stop()
 
 
 def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registry) -> None:

@@ -116,3 +116,52 @@ def test_importing_the_whole_core_loads_no_ray() -> None:
 def test_pure_module_loads_no_ray_torch_or_database(module: str) -> None:
     bad = set(loaded_after_import(module)) & set(PURE_MUST_NOT_LOAD)
     assert not bad, f"importing {module} loads {sorted(bad)}"
+
+
+# ---------------------------------------------------------------------------- the test tiers
+# tests/unit is the tier that runs without Ray: its modules import no Ray and no Serve shell
+# (deployments/), not even inside a test, and importing all of them loads no Ray. The shells
+# driven in process live in tests/inprocess; tests/conftest.py, loaded by every tier, loads
+# no torch (a run of the pure tiers should not pay for it before the first test).
+UNIT_TESTS = ROOT / "tests" / "unit"
+UNIT_MUST_NOT_IMPORT = ("ray", "deployments")
+
+
+def unit_test_modules() -> list[str]:
+    return [f"tests.unit.{p.stem}" for p in sorted(UNIT_TESTS.glob("*.py"))]
+
+
+@pytest.mark.parametrize(
+    "path", sorted(UNIT_TESTS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_unit_test_source_imports_no_ray_or_serve_shell(path: Path) -> None:
+    bad = imported_roots(path.read_text()) & set(UNIT_MUST_NOT_IMPORT)
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {sorted(bad)}: tests/unit runs without Ray "
+        "(in-process tests of the Serve shells go to tests/inprocess)"
+    )
+
+
+def test_importing_every_unit_test_module_loads_no_ray() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        "for name in sys.argv[1:]: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))"
+    )
+    modules = unit_test_modules()
+    assert len(modules) > 40, modules  # the walk found the tier
+    out = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert "ray" not in loaded, "a tests/unit module loads Ray when imported"
+
+
+def test_the_shared_conftest_loads_no_torch_and_no_ray() -> None:
+    bad = set(loaded_after_import("tests.conftest")) & {"torch", "ray"}
+    assert not bad, f"tests/conftest.py loads {sorted(bad)}"

@@ -368,22 +368,3 @@ def test_a_config_that_changes_the_served_schema_under_a_loaded_target_is_refuse
     assert replica.schema.name == family_of(TWO_TOWER).schema.name
     wire = replica.schema.parse(bodies(TWO_TOWER)[0]).wire
     assert replica.rank([wire]).model.artifact_id == packed[TWO_TOWER].artifact_id
-
-
-def test_the_app_refuses_a_cohort_target_of_another_schema_naming_it(
-    packed: dict[str, PackResult],
-) -> None:
-    from deployments.app import build_app
-
-    args = {
-        "models": ["app.models.two_tower"],
-        "stable": {"target": packed[TWO_TOWER].target(1).model_dump(mode="json")},
-        "canary": {"target": packed[RANKER_MLP].target(1).model_dump(mode="json")},
-    }
-    with pytest.raises(ConfigError, match=r"args\.canary\.target\.feature_schema") as info:
-        build_app(args)
-    assert info.value.ids["field"] == "args.canary.target.feature_schema"
-    with pytest.raises(ConfigError, match=r"args\.models\[0\]: cannot import"):
-        build_app({**args, "models": ["acme.missing"]})
-    args["canary"] = {}
-    build_app(args)  # binds: nothing is deployed

@@ -503,36 +503,6 @@ def test_registry_register_require_signature_checks_with_the_same_verifier(
     assert registered() == ["signed"]
 
 
-def test_app_args_trust_reaches_replicas_with_paths_resolved_against_the_project() -> None:
-    from app.contracts import AppArgs
-    from deployments.app import PROJECT_ROOT, replica_config
-
-    args = AppArgs.model_validate(
-        {
-            "trust_key": "var/keys/old-ed25519.pub",
-            "trust": {
-                "keys": ["/etc/ranker/release-ec.pub"],
-                "certificate_chains": ["var/keys/ca.crt"],
-                "keyless": [
-                    {
-                        "identity": "release@example.com",
-                        "oidc_issuer": "https://accounts.google.com",
-                    }
-                ],
-                "sigstore_trust_config": "var/keys/trust-config.json",
-            },
-        }
-    )
-    trust = replica_config(args, "canary", None).signature_trust
-    assert trust.keys == [
-        str(PROJECT_ROOT / "var/keys/old-ed25519.pub"),
-        "/etc/ranker/release-ec.pub",
-    ]
-    assert trust.certificate_chains == [str(PROJECT_ROOT / "var/keys/ca.crt")]
-    assert trust.sigstore_trust_config == str(PROJECT_ROOT / "var/keys/trust-config.json")
-    assert trust.keyless[0].identity == "release@example.com"
-
-
 # --------------------------------------------------------------------------- packing
 
 

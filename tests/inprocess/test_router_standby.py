@@ -16,7 +16,7 @@ from typing import Any
 
 from app.contracts import InstanceReport, ModelMeta, WireAnswer
 from app.models.ranker_mlp.features import NUM_FEATURES
-from tests.unit.test_router import RouterClass, http_request, wait_for
+from tests.inprocess.doubles import RouterClass, http_request, wait_for
 
 LITE = {"ndcg_at_10": 0.401}
 STABLE_EVAL = {"ndcg_at_10": 0.412}

@@ -12,18 +12,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
-from starlette.requests import Request
 
 from app.api import MAX_BODY_BYTES
 from app.contracts import InstanceReport
 from app.errors import ConfigError
-from deployments.router import Router
-
-RouterClass: Any = Router.func_or_class  # the class Serve instantiates in a replica
+from tests.inprocess.doubles import RouterClass, endless_chunks, http_request, wait_for
 
 
 class FakeCohort:
@@ -62,38 +59,6 @@ class FakeCohort:
             ).model_dump(mode="json")
 
         return answer()
-
-
-def http_request(
-    method: str,
-    path: str,
-    headers: dict[str, str] | None = None,
-    receive: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-) -> Request:
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-        "server": ("test", 80),
-        "scheme": "http",
-    }
-
-    async def no_body() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    return Request(scope, receive or no_body)
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, bound_s: float = 20.0) -> None:
-    """Poll ``predicate`` (a bound against hanging, not a timing assertion)."""
-    deadline = time.monotonic() + bound_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {bound_s}s: {what}")
-        await asyncio.sleep(0.01)
 
 
 def status_json(router: Any) -> dict[str, Any]:
@@ -192,17 +157,6 @@ def test_an_idle_canary_is_probed_unless_it_idles_at_zero_replicas() -> None:
 
 
 # --------------------------------------------------------------------------- body cap
-
-
-def endless_chunks(counter: list[int], chunk: int = 64 * 1024, stop_after: int = 64 << 20):
-    """A chunked body that keeps coming (up to ``stop_after`` bytes, so that code which reads
-    it all still ends); ``counter[0]`` is the bytes handed out so far."""
-
-    async def receive() -> dict[str, Any]:
-        counter[0] += chunk
-        return {"type": "http.request", "body": b" " * chunk, "more_body": counter[0] < stop_after}
-
-    return receive
 
 
 def test_router_refuses_a_declared_body_over_the_cap_before_reading() -> None:

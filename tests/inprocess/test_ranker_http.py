@@ -11,7 +11,7 @@ from typing import Any
 
 from app.api import MAX_BODY_BYTES
 from deployments.ranker import Ranker
-from tests.unit.test_router import endless_chunks, http_request
+from tests.inprocess.doubles import endless_chunks, http_request
 
 RankerClass: Any = Ranker.func_or_class
 
