@@ -3,8 +3,15 @@
 # virtualenv + packages, PostgreSQL server binaries, rsync and Prometheus (Debian packages) when
 # missing, the style checks (ruff check, ruff format --check), then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+# --fast (first argument): the tiers without a Ray cluster only (tests/unit, tests/inprocess,
+# tests/integration), for the inner loop; no arguments: the whole suite, as CI runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TIERS=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    TIERS=(tests/unit tests/inprocess tests/integration -m "not e2e")
+fi
 bash scripts/setup.sh
 
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
@@ -55,4 +62,4 @@ fi
 .venv/bin/ruff format --check .
 
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider "${TIERS[@]}" "$@"
