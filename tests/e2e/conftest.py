@@ -62,4 +62,3 @@ def scenario(rollout_env: RolloutEnv, request: pytest.FixtureRequest) -> Iterato
         yield s
     finally:
         s.close()
-
