@@ -360,8 +360,6 @@ def read_regular(path: Path, what: str, limit: int) -> bytes:
 
 # ---------------------------------------------------------------------- the cache's root
 
-_LAYOUT: Final = ("artifacts", "tmp", "locks", "leases")
-# What the code before the marker left in each directory of the layout (names it makes).
 # A node's own cache directory, set in its raylet's environment (its replicas inherit it):
 # nodes whose fast disk is mounted elsewhere, several nodes on one host. It wins over the
 # config's cache_dir, which is one path for every replica of the application.
@@ -375,6 +373,8 @@ def node_cache_dir(configured: str) -> str:
     return os.path.abspath(node) if node else configured
 
 
+_LAYOUT: Final = ("artifacts", "tmp", "locks", "leases")
+# What the code before the marker left in each directory of the layout (names it makes).
 _DIGEST = "[0-9a-f]{64}"
 _PREMARKER_NAMES: Final = {
     "artifacts": re.compile(_DIGEST),
