@@ -58,19 +58,20 @@ def imported_roots(source: str) -> set[str]:
     return roots
 
 
-def loaded_after_import(module: str) -> list[str]:
-    """Top-level packages in sys.modules after importing ``module`` in a fresh interpreter."""
+def loaded_after_import(*modules: str) -> list[str]:
+    """Top-level packages in sys.modules after importing ``modules`` in a fresh interpreter."""
     code = (
-        "import importlib, json, sys; importlib.import_module(sys.argv[1]); "
-        "print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))"
+        "import importlib, json, sys\n"
+        "for name in sys.argv[1:]: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, module],
+        [sys.executable, "-c", code, *modules],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
-        timeout=120,
+        timeout=300,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -95,20 +96,7 @@ def test_core_module_source_imports_no_outer_layer_or_ray(path: Path) -> None:
 
 
 def test_importing_the_whole_core_loads_no_ray() -> None:
-    code = (
-        "import importlib, json, sys\n"
-        "for name in sys.argv[1:]: importlib.import_module(name)\n"
-        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, *core_modules()],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    loaded = set(loaded_after_import(*core_modules()))
     assert not loaded & set(CORE_MUST_NOT_IMPORT), sorted(loaded & set(CORE_MUST_NOT_IMPORT))
 
 
@@ -143,22 +131,9 @@ def test_unit_test_source_imports_no_ray_or_serve_shell(path: Path) -> None:
 
 
 def test_importing_every_unit_test_module_loads_no_ray() -> None:
-    code = (
-        "import importlib, json, sys\n"
-        "for name in sys.argv[1:]: importlib.import_module(name)\n"
-        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))"
-    )
     modules = unit_test_modules()
     assert len(modules) > 40, modules  # the walk found the tier
-    out = subprocess.run(
-        [sys.executable, "-c", code, *modules],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    loaded = set(loaded_after_import(*modules))
     assert "ray" not in loaded, "a tests/unit module loads Ray when imported"
 
 
