@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 TIERS=()
 if [ "${1:-}" = "--fast" ]; then
     shift
-    TIERS=(tests/unit tests/inprocess tests/integration -m "not e2e")
+    TIERS=(tests/unit tests/inprocess tests/integration)
 fi
 bash scripts/setup.sh
 
