@@ -254,11 +254,6 @@ def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
         for rep in killed:
             actor = ray.get_actor(rep["actor_name"], namespace="serve")
             ray.kill(actor, no_restart=True)
-        wait_until(
-            lambda: any(a.failover and a.cohort == "stable" for a in load.records[mark:]),
-            60,
-            "canary-bucketed requests answered by stable",
-        )
         # Serve replaces the killed replica; the canary takes its share back.
         gone = {r["replica_id"] for r in killed}
 
@@ -269,7 +264,15 @@ def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
             return len(fresh) >= 3
 
         wait_until(canary_back, 120, "a new canary replica answering")
+    # Every request that reached a killed replica failed over to stable, and none failed.
+    # Whether any did is up to the moment of the kill: with none in flight then, Serve's
+    # handle learns of the death first and holds canary calls for the new replica (the run
+    # that waited for a failover record waited in vain). A failover that stopped working
+    # fails a request here; tests/inprocess/test_router_standby.py pins the failover itself
+    # (every call to the canary raising, each request answered by stable, marked failover).
     assert_all_ok(load.records)
+    failovers = [a for a in load.records[mark:] if a.failover]
+    assert all(a.cohort == "stable" for a in failovers), failovers
 
 
 # --------------------------------------------------------------------------- drain, errors
