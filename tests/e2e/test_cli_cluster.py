@@ -4,7 +4,7 @@ line within `--timeout` when no cluster answers. Each subprocess has its own tim
 hang guard: a hang fails the test instead of stalling the suite.
 
 The cluster is a real local Ray (no Serve), started by a child process of this test and
-stopped with it; run under `flock /tmp/e2e.lock`."""
+stopped with it."""
 
 from __future__ import annotations
 
