@@ -4,13 +4,18 @@
 # missing, the style checks (ruff check, ruff format --check), then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 # --fast (first argument): the tiers without a Ray cluster only (tests/unit, tests/inprocess,
-# tests/integration), for the inner loop; no arguments: the whole suite, as CI runs it.
+# tests/integration), for the inner loop, on two pytest-xdist workers that each take a module at
+# a time; no arguments: the whole suite, as CI runs it, in one process. TEST_WORKERS sets the
+# worker count (0: pytest's own process). The whole suite stays in one process: its e2e tier is
+# CPU-bound, and run beside anything else on two cores its judged latencies go to seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TIERS=()
+WORKERS=${TEST_WORKERS:-0}
 if [ "${1:-}" = "--fast" ]; then
     shift
     TIERS=(tests/unit tests/inprocess tests/integration)
+    WORKERS=${TEST_WORKERS:-2}
 fi
 bash scripts/setup.sh
 
@@ -62,4 +67,4 @@ fi
 .venv/bin/ruff format --check .
 
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -p no:cacheprovider "${TIERS[@]}" "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -n "$WORKERS" --dist loadfile "${TIERS[@]}" "$@"

@@ -21,6 +21,10 @@ TIERS = ("unit", "inprocess", "integration", "e2e")
 
 _seconds: dict[str, float] = defaultdict(float)
 _markers_of: dict[str, tuple[str, ...]] = {}
+# Marker names the run knows (pyproject's list and the tiers). A report carries its item's
+# keywords (marker, module and function names alike); these pick the markers out of them. The
+# reports are what a pytest-xdist controller receives: it collects no items of its own.
+_marker_names: set[str] = set(TIERS)
 
 
 def tier_of(path: Path) -> str | None:
@@ -31,18 +35,22 @@ def tier_of(path: Path) -> str | None:
     return below[0] if below and below[0] in TIERS else None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    for line in config.getini("markers"):
+        _marker_names.add(line.split(":", 1)[0].split("(", 1)[0].strip())
+    _marker_names.difference_update({"parametrize", "timeout", "xdist_group"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = tier_of(item.path)
         if tier is not None:
             item.add_marker(tier)
-        _markers_of[item.nodeid] = tuple(
-            sorted({m.name for m in item.iter_markers()} - {"parametrize", "timeout"})
-        )
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds[report.nodeid] += report.duration
+    _markers_of[report.nodeid] = tuple(sorted(k for k in report.keywords if k in _marker_names))
 
 
 def rows(key_of: dict[str, tuple[str, ...]]) -> list[tuple[str, int, float]]:
