@@ -2,20 +2,22 @@
 # The whole test suite, from a fresh clone on a Debian machine with Python 3.11:
 # virtualenv + packages, PostgreSQL server binaries, rsync and Prometheus (Debian packages) when
 # missing, the style checks (ruff check, ruff format --check), then pytest.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 # --fast (first argument): the tiers without a Ray cluster only (tests/unit, tests/inprocess,
-# tests/integration), for the inner loop, on two pytest-xdist workers that each take a module at
-# a time; no arguments: the whole suite, as CI runs it, in one process. TEST_WORKERS sets the
-# worker count (0: pytest's own process). The whole suite stays in one process: its e2e tier is
-# CPU-bound, and run beside anything else on two cores its judged latencies go to seconds.
+# tests/integration), for the inner loop. No arguments: the whole suite, as CI runs it, in two
+# pytest runs: those three tiers first, then tests/e2e, which gets the machine to itself (its
+# tier is CPU-bound: run beside anything else on two cores its judged latencies go to
+# seconds). The tiers without a cluster run on two pytest-xdist workers that each take a
+# module at a time; TEST_WORKERS sets the count (0: pytest's own process). Other arguments:
+# one pytest run of exactly what they name, in pytest's own process unless TEST_WORKERS says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TIERS=()
-WORKERS=${TEST_WORKERS:-0}
+NO_CLUSTER=(tests/unit tests/inprocess tests/integration)
+MODE=whole
 if [ "${1:-}" = "--fast" ]; then
     shift
-    TIERS=(tests/unit tests/inprocess tests/integration)
-    WORKERS=${TEST_WORKERS:-2}
+    MODE=fast
+elif [ $# -gt 0 ]; then
+    MODE=args
 fi
 bash scripts/setup.sh
 
@@ -67,4 +69,14 @@ fi
 .venv/bin/ruff format --check .
 
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -p no:cacheprovider -n "$WORKERS" --dist loadfile "${TIERS[@]}" "$@"
+PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --dist loadfile)
+case "$MODE" in
+fast) exec "${PYTEST[@]}" -n "${TEST_WORKERS:-2}" "${NO_CLUSTER[@]}" "$@" ;;
+args) exec "${PYTEST[@]}" -n "${TEST_WORKERS:-0}" "$@" ;;
+esac
+# The whole suite: both runs go ahead whatever the first one's verdict (a red unit test must
+# not hide an e2e failure); the exit status is the first failure's.
+status=0
+"${PYTEST[@]}" -n "${TEST_WORKERS:-2}" "${NO_CLUSTER[@]}" || status=$?
+"${PYTEST[@]}" -n 0 tests/e2e || { rc=$?; [ "$status" != 0 ] || status=$rc; }
+exit "$status"
