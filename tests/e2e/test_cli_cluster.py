@@ -90,19 +90,34 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             node.wait()
 
 
-@pytest.mark.parametrize("args", CONTROLLER_COMMANDS)
-def test_commands_never_create_the_controller(
-    ray_address: str, tmp_path: Path, args: tuple[str, ...]
-) -> None:
-    # With a dashboard and a registry given, everything a controller needs is there: still
-    # none is created, and the registry file is not either.
-    db = tmp_path / "registry.db"
-    creatable = ("--dashboard", "http://127.0.0.1:9", "--db", f"sqlite:///{db}")
-    done = rollout(*args, "--address", ray_address, *creatable, cwd=tmp_path, env=TOKEN_AUTH)
-    line = one_line(done, 5, "controller.not_found")
-    assert not db.exists()
-    assert line == f"error[controller.not_found]: {CONTROLLER_MISSING}"
-    # Still none: the command above did not leave one behind.
+def test_no_command_creates_the_controller(ray_address: str, tmp_path: Path) -> None:
+    """Each of CONTROLLER_COMMANDS as its own process, all at once (each attaches to the
+    cluster: about 4 s apiece one after another, with a CPU idle most of it). With a dashboard
+    and a registry given, everything a controller needs is there: still none is created, and
+    no registry file either."""
+    runs = []
+    for i, args in enumerate(CONTROLLER_COMMANDS):
+        cwd = tmp_path / f"command-{i}"
+        cwd.mkdir()
+        db = cwd / "registry.db"
+        creatable = ("--dashboard", "http://127.0.0.1:9", "--db", f"sqlite:///{db}")
+        child = subprocess.Popen(
+            [ROLLOUT, *args, "--address", ray_address, *creatable], cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **TOKEN_AUTH},
+        )  # fmt: skip
+        runs.append((args, db, child))
+    for args, db, child in runs:
+        try:
+            out, err = child.communicate(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            child.kill()  # only the process this test started
+            out, err = child.communicate()
+        done = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+        line = one_line(done, 5, "controller.not_found")
+        assert line == f"error[controller.not_found]: {CONTROLLER_MISSING}", args
+        assert not db.exists(), args
+    # Still none: no command above left one behind.
     again = rollout("controller", "status", "--address", ray_address, cwd=tmp_path, env=TOKEN_AUTH)
     one_line(again, 5, "controller.not_found")
 
