@@ -2,9 +2,10 @@
 
 - ``cluster`` (session): one real Ray cluster with Serve and the ``ranker`` app.
 - ``serving`` (per test): the session cluster after a cheap reset to its baseline.
-- ``env`` (module): the ``rollout-e2e`` app in the session cluster, driven by the real rollout
-  controller, with a registry per module (the application, and so its replicas' revision
-  memory, is new for every module: revisions start again from 1).
+- ``env`` (session): the ``rollout-e2e`` app in the session cluster, driven by the real rollout
+  controller, with its registry; deployed once for every module that uses it (a deploy costs
+  about 30 s of this machine's two cores), which run one after another, after the modules that
+  do not (``pytest_collection_modifyitems``), so the app never idles beside them.
 - ``rollout_env`` (per test): ``env`` with stable on the baseline and no rollout running, at
   the start and at the end.
 - ``scenario`` (per test): a tests/e2e/dsl.py ``Scenario`` on ``rollout_env``, closed (its
@@ -41,11 +42,23 @@ def serving(cluster: Cluster) -> Iterator[Cluster]:
     yield cluster
 
 
-@pytest.fixture(scope="module")
-def env(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[RolloutEnv]:
-    module = request.module.__name__.rsplit(".", 1)[-1]
-    with rollout_application(cluster, module) as environment:
+@pytest.fixture(scope="session")
+def env(cluster: Cluster) -> Iterator[RolloutEnv]:
+    with rollout_application(cluster, "session") as environment:
         yield environment
+
+
+def uses_the_session_rollout_app(item: pytest.Item) -> bool:
+    # A module may define its own ``env`` (another family's app); only this file's counts.
+    defs = item._fixtureinfo.name2fixturedefs.get("env") or ()
+    return bool(defs) and defs[-1].scope == "session"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules on the session's ``rollout-e2e`` app last, in their order (a module stays in
+    one piece: its module-scoped fixtures are set up once)."""
+    shared = {item.module for item in items if uses_the_session_rollout_app(item)}
+    items.sort(key=lambda item: item.module in shared)
 
 
 @pytest.fixture

@@ -23,8 +23,11 @@ The rollout application (``rollout_application``, fixtures ``env`` and ``rollout
 second Serve application in the session cluster, ``rollout-e2e`` at ``/rollout``, with its own
 router, stable and canary replicas, so revisions start from the registry's (1, 2, ...) and
 its replicas report to the real controller actor (``rollout-controller``), while the first
-application keeps serving the data-plane tests. Used by the controller tests and the
-acceptance scenarios.
+application keeps serving the data-plane tests. Deployed once per session for the controller
+tests, the acceptance, autoscaling and shadow scenarios (tests/e2e/conftest.py runs those
+modules last): a test finds the registry with earlier modules' rollouts in it. The controller
+ticks every 0.5 s (its default is 1 s): each tick reads Serve's config over REST and, during a
+rollout, scrapes the metrics endpoint; at 0.3 s its process took about a fifth of a core.
 
 Traffic is rollout.traffic.TrafficRun, the generator behind bench/loadgen.py and the demo:
 ``client_load`` (closed loop, plain client: every non-2xx counted; the data-plane tests),
@@ -542,7 +545,7 @@ def rollout_application(
         app_name=app.name,
         model=app.model,
         metrics_endpoints=(cluster.metrics_url,),
-        tick_interval_s=0.3,
+        tick_interval_s=0.5,
         metrics_delay_s=1.2,
         report_stale_s=10,
     )

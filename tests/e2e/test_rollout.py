@@ -23,23 +23,19 @@ from tests.e2e.harness import BASELINE, CANDIDATE, FAST_PLAN, RolloutEnv, failed
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize(
-    "promotion",
-    [
-        "shift",
-        # Stable swaps in place while it still carries half the traffic: the controller must
-        # see, from the replicas' reports, that the candidate fits beside the resident model.
-        "in_place",
-    ],
-)
-def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv, promotion: str) -> None:
+def test_full_rollout_promoted_in_place_under_load(rollout_env: RolloutEnv) -> None:
+    """Stable swaps in place while it still carries half the traffic: the controller must
+    see, from the replicas' reports, that the candidate fits beside the resident model.
+    (Promotion by shift, FAST_PLAN's, is tests/e2e/test_acceptance.py's first scenario, with
+    the same assertions.)"""
     env = rollout_env
     stable_ids = env.replica_ids("stable")
+    audited = env.registry.history("ranker", "default", limit=1)[0].id  # the app is shared
     run = env.traffic()
     wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
     started = run.now_s()
-    steps = FAST_PLAN["steps"] if promotion == "shift" else [20, 50]
-    env.start(CANDIDATE, {**FAST_PLAN, "steps": steps, "promotion": promotion})
+    promotion = "in_place"
+    env.start(CANDIDATE, {**FAST_PLAN, "steps": [20, 50], "promotion": promotion})
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
     records = run.stop()
 
@@ -51,10 +47,15 @@ def test_full_rollout_and_promotion_under_load(rollout_env: RolloutEnv, promotio
     assert {r.artifact_id for r in records if r.start_s > run.now_s() - 1} <= {CANDIDATE}
     canary_answers = [r for r in records if r.start_s > started and r.cohort == "canary"]
     assert canary_answers and {r.artifact_id for r in canary_answers} == {CANDIDATE}
-    # Every target change went through the registry with an audit row.
-    history = env.registry.history("ranker", "default")
-    assert any(h.cohort == "canary" and h.new_artifact_id == CANDIDATE for h in history)
-    assert any(h.cohort == "stable" and h.new_artifact_id == CANDIDATE for h in history)
+    # Every target change went through the registry with an audit row: stable's promotion
+    # in this rollout, and each canary generation that answered (an earlier rollout of v42 in
+    # the session may have published the canary target this one found in place).
+    history = env.registry.history("ranker", "default", limit=1000)
+    assert any(
+        h.cohort == "stable" and h.new_artifact_id == CANDIDATE and h.id > audited for h in history
+    )
+    published = {(h.new_artifact_id, h.new_revision) for h in history if h.cohort == "canary"}
+    assert {(r.artifact_id, r.revision) for r in canary_answers} <= published
     events = [e["event"] for e in view["events"]]
     assert "finished" in events
     record = env.registry.list_rollouts("ranker", "default", limit=1)[0]
@@ -181,12 +182,18 @@ def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
     ]
 
 
-def test_operator_cli_against_the_running_controller(
-    rollout_env: RolloutEnv, capsys: pytest.CaptureFixture[str], tmp_path_factory
-) -> None:
-    """The `rollout` commands an operator types, against this cluster's controller."""
-    import json
+# The operator's commands against this cluster's running controller, both ways a user types
+# them: `rollout.cli.main` in this process and the installed `rollout` binary (a subprocess
+# attaching to the cluster by address). Who gave each command and why lands in the rollout's
+# events, and `rollout status --watch` ends with the rollout's outcome as its exit code (CI
+# gates on it). One rollout, held at a gate, carries both (each had its own before).
+ROLLOUT = str(Path(sys.executable).with_name("rollout"))
+HANG_GUARD_S = 120
 
+
+def test_operator_commands_in_process_and_by_the_binary_record_who_and_why(
+    rollout_env: RolloutEnv, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     import yaml
 
     from rollout.cli import main
@@ -194,53 +201,16 @@ def test_operator_cli_against_the_running_controller(
     env = rollout_env
     env.controller  # noqa: B018 - make sure it runs (the CLI attaches to it)
     db = ["--db", env.settings.registry_url]
-
-    def rollout(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    code, out, err = rollout("pause", *db)
-    assert code == 5 and "no rollout" in err, (code, out, err)
-
-    run = env.traffic()  # the steps are judged on real traffic
-    plan_file = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan_file.write_text(yaml.safe_dump({**FAST_PLAN, "gates": {"pause_before_steps": [50]}}))
-    code, out, err = rollout("start", "ranker", CANDIDATE, "--plan", str(plan_file), *db, "--json")
-    assert code == 0, err
-    started = json.loads(out)
-    assert started["candidate"] == CANDIDATE
-    code, out, err = rollout("start", "ranker", CANDIDATE, *db)
-    assert code == 5 and "still" in err, (code, err)
-
-    env.wait_for_phase("paused", timeout=90)
-    code, out, err = rollout("status", *db)
-    assert code == 0 and "paused" in out and "canary 20%" in out, out
-    code, out, err = rollout("abort", "--reason", "cli test", *db, "--json")
-    assert code == 0 and json.loads(out)["queued"] == "abort"
-    env.wait_for_phase("aborted", finished=True, timeout=60)
-    code, out, err = rollout("history", *db)
-    assert code == 0 and started["rollout"] in out and "aborted" in out, out
-    assert not failed(run.stop())
-
-
-# The operator's commands as the installed `rollout` binary, against this cluster's running
-# controller: who gave each command and why lands in the rollout's events, and
-# `rollout status --watch` ends with the rollout's outcome as its exit code (CI gates on it).
-ROLLOUT = str(Path(sys.executable).with_name("rollout"))
-HANG_GUARD_S = 120
-
-
-def test_operator_commands_record_who_and_why_and_watch_exits_with_the_outcome(
-    rollout_env: RolloutEnv, tmp_path: Path
-) -> None:
-    env = rollout_env
-    env.controller  # noqa: B018 - make sure it runs (the binary attaches to it)
     address = ray.get_runtime_context().gcs_address
     # The test cluster has token auth on (Ray's default for a new local cluster).
     child_env = {**os.environ, "RAY_AUTH_MODE": "token"}
 
-    def rollout(*args: str) -> subprocess.CompletedProcess[str]:
+    def in_process(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def binary(*args: str) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
             [ROLLOUT, *args, *(("--address", address) if args[0] != "history" else ())],
             cwd=tmp_path, capture_output=True,
@@ -249,23 +219,43 @@ def test_operator_commands_record_who_and_why_and_watch_exits_with_the_outcome(
         assert "Traceback" not in done.stderr, done.stderr
         return done
 
-    run = env.traffic()
-    started = env.start(CANDIDATE, {**FAST_PLAN, "gates": {"pause_before_steps": [50]}})
-    env.wait_for_phase("paused", timeout=90)
-    for args in (
-        ("pause", "--reason", "hold for a look", "--actor", "alice"),
-        ("resume", "--reason", "looked fine", "--actor", "bob"),
-        ("abort", "--reason", "enough for today", "--actor", "dave"),
-    ):
-        done = rollout(*args, "--json")
-        assert done.returncode == 0, (args, done.stderr)
+    code, out, err = in_process("pause", *db)
+    assert code == 5 and "no rollout" in err, (code, out, err)
 
-    watched = rollout("status", "--watch", "--interval", "0.5")
+    run = env.traffic()  # the steps are judged on real traffic
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({**FAST_PLAN, "gates": {"pause_before_steps": [50]}}))
+    code, out, err = in_process(
+        "start", "ranker", CANDIDATE, "--plan", str(plan_file), *db, "--json"
+    )
+    assert code == 0, err
+    started = json.loads(out)
+    assert started["candidate"] == CANDIDATE
+    code, out, err = in_process("start", "ranker", CANDIDATE, *db)
+    assert code == 5 and "still" in err, (code, err)
+
+    env.wait_for_phase("paused", timeout=90)
+    code, out, err = in_process("status", *db)
+    assert code == 0 and "paused" in out and "canary 20%" in out, out
+    code, out, err = in_process(
+        "pause", "--reason", "hold for a look", "--actor", "alice", *db, "--json"
+    )
+    assert code == 0 and json.loads(out)["queued"] == "pause", (code, out, err)
+    done = binary("resume", "--reason", "looked fine", "--actor", "bob", "--json")
+    assert done.returncode == 0, done.stderr
+    code, out, err = in_process(
+        "abort", "--reason", "enough for today", "--actor", "dave", *db, "--json"
+    )
+    assert code == 0 and json.loads(out)["queued"] == "abort", (code, out, err)
+
+    watched = binary("status", "--watch", "--interval", "0.5")
     assert watched.returncode == EXIT_ROLLOUT_ABORTED, (watched.returncode, watched.stderr)
     assert "\x1b[2J" not in watched.stdout  # not a terminal: no screen clearing
     assert "aborted" in watched.stdout
+    code, out, err = in_process("history", *db)
+    assert code == 0 and started["rollout"] in out and "aborted" in out, out
 
-    done = rollout("history", "--db", env.settings.registry_url, "--json", "--limit", "1")
+    done = binary("history", "--db", env.settings.registry_url, "--json", "--limit", "1")
     record = json.loads(done.stdout.splitlines()[0])
     assert record["id"] == started["rollout"] and record["phase"] == "aborted"
     messages = [e["message"] for e in record["state"]["events"] if e["event"] == "operator"]

@@ -1,9 +1,9 @@
 """The shadow phase on the real stack under load: candidates that are healthy but rank wrong
 are stopped before any user sees them; a legitimately different one goes on to live steps.
 
-Each scenario drives the real controller on the ``rollout-e2e`` application (this module's own
-registry) under open-loop traffic of the live load's shape (rollout.traffic: 20 candidates,
-top 10), the same shape ``ranker-v43``'s expected divergence was recorded with. The router
+Each scenario drives the real controller on the session's ``rollout-e2e`` application under
+open-loop traffic of the live load's shape (rollout.traffic: 20 candidates, top 10), the same
+shape ``ranker-v43``'s expected divergence was recorded with. The router
 mirrors half of stable's requests to the canary; the controller judges the comparisons from
 Ray's metrics. Asserted: counts (no failed request, no answer from the candidate, copies
 compared), phases and the reason given, never timings.
