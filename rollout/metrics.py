@@ -162,11 +162,43 @@ class ShadowWindow:
         return True
 
 
+# A histogram's or counter's samples carry these after the family's name.
+_SAMPLE_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def wanted_lines(text: str, names: Iterable[str]) -> str:
+    """The lines of Prometheus text that can hold a sample named in ``names``: those samples
+    and their families' ``# HELP``/``# TYPE`` lines, in order.
+
+    A node's export carries every Ray worker's metrics, and the export keeps a dead process's
+    series for a while: tens of thousands of lines in a busy cluster, growing with every
+    replica started. The text parser costs about 30 microseconds a line (an 18,000-line export
+    took 0.6 s of the controller's CPU per scrape), so only the few hundred lines the windows
+    need are parsed: a sample line is kept by its name (what comes before ``{`` or the space),
+    never by a guess, so the samples parsed are exactly the full text's."""
+    wanted = set(names)
+    families = wanted | {
+        name[: -len(suffix)]
+        for name in wanted
+        for suffix in _SAMPLE_SUFFIXES
+        if name.endswith(suffix)
+    }
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in families:
+                kept.append(line)
+        elif line.partition("{")[0].partition(" ")[0] in wanted:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def parse_exposition(text: str, wanted: Iterable[str]) -> dict[SeriesKey, float]:
     """The samples named in ``wanted`` from Prometheus text, keyed by name + full label set."""
     names = set(wanted)
     out: dict[SeriesKey, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted_lines(text, names)):
         for sample in family.samples:
             if sample.name in names:
                 out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)

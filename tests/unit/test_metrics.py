@@ -9,16 +9,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
 from rollout.metrics import (
+    LATENCY_SERIES,
     REQUESTS_SERIES,
+    SCRAPED_SERIES,
     MetricsSnapshot,
     MetricsUnavailable,
     PromQLSource,
     RayScrapeSource,
     SnapshotWindows,
+    parse_exposition,
     quantile_from_buckets,
+    wanted_lines,
     window_increase,
     windows_for,
 )
@@ -215,3 +220,37 @@ def test_the_controller_uses_promql_when_a_server_is_named_else_scrapes():
     scraped = windows_for(application="ranker", endpoints=("http://127.0.0.1:9/metrics",))
     assert isinstance(scraped, SnapshotWindows)
     assert scraped.source.application == "ranker"
+
+
+def test_only_the_wanted_lines_are_parsed_and_they_give_the_full_texts_samples():
+    """A node's export is mostly other metrics (Ray's own, every worker's): the parse sees the
+    wanted samples' lines and their families' comments, and gets exactly what parsing the
+    whole text and keeping the wanted samples gets."""
+    registry = CollectorRegistry()
+    requests = Counter(REQUESTS_SERIES.removesuffix("_total"), "r", ["cohort", "outcome"],
+                       registry=registry)  # fmt: skip
+    latency = Histogram(LATENCY_SERIES, "l", ["cohort"], buckets=(5, 50), registry=registry)
+    # Names that share a prefix with the wanted ones, and label values with braces and spaces.
+    near = Counter(REQUESTS_SERIES.removesuffix("_total") + "_other", "n", ["x"],
+                   registry=registry)  # fmt: skip
+    other = Histogram("ray_component_rpc_latency_ms", "o", ["WorkerId"], registry=registry)
+    requests.labels("canary", 'ok {"a b"}').inc(3)
+    requests.labels("stable", "error").inc(2)
+    latency.labels("canary").observe(7)
+    near.labels("y").inc(9)
+    for worker in range(200):
+        other.labels(f"{worker:040d}").observe(worker)
+    text = generate_latest(registry).decode()
+
+    kept = wanted_lines(text, SCRAPED_SERIES)
+    names = {line.partition("{")[0].partition(" ")[0] for line in kept.splitlines()}
+    assert names - {"#"} == {REQUESTS_SERIES, LATENCY_SERIES + "_bucket"}
+    assert len(kept.splitlines()) < len(text.splitlines()) / 20
+    everything = {
+        (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in SCRAPED_SERIES
+    }
+    parsed = parse_exposition(text, SCRAPED_SERIES)
+    assert parsed == everything and len(parsed) == 2 + 3  # two counters, three buckets
