@@ -714,7 +714,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
 
     s.given.stable_on(BASELINE).steady_traffic(rate=30)
     # The outage outlasts the progress deadline: a rollout that counted it would roll back.
-    deadline_s = 40
+    deadline_s = 30
     s.when.start_rollout(
         CANDIDATE, plan(gates={"pause_before_steps": [100]}, progress_deadline_s=deadline_s)
     )

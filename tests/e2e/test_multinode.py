@@ -27,6 +27,7 @@ from app.demo_artifacts import make_demo_artifacts
 from app.polling import wait_until
 from app.registry import open_registry
 from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from rollout.exit_codes import exit_code_for_phase
 from rollout.multinode import MultiNodeCluster, multinode_cluster
 from tests.e2e.harness import FAST_PLAN, Sampler, failed, retrying_clients, steady_traffic
 
@@ -52,13 +53,15 @@ class MultiNodeEnv:
         self.plan = work / "plan.yaml"
         self.plan.write_text(yaml.safe_dump(PLAN))
 
-    def rollout(self, *args: str, check: bool = True) -> Any:
-        common = [
+    def common(self) -> list[str]:
+        return [
             *("--address", self.cluster.address, "--db", self.db),
             *("--dashboard", self.cluster.dashboard_url, "--timeout", "60", "--json"),
         ]
+
+    def rollout(self, *args: str, check: bool = True) -> Any:
         done = subprocess.run(
-            [ROLLOUT, *args, *common], capture_output=True, text=True, timeout=180,
+            [ROLLOUT, *args, *self.common()], capture_output=True, text=True, timeout=180,
             cwd=self.work, env={**os.environ, "RAY_AUTH_MODE": "token"},
         )  # fmt: skip
         assert "Traceback" not in done.stderr, done.stderr[-4000:]
@@ -77,16 +80,21 @@ class MultiNodeEnv:
     def status(self) -> dict[str, Any]:
         return self.rollout("status")
 
-    def wait_phase(self, *phases: str, timeout: float = 240, finished: bool = False) -> dict:
-        seen: dict[str, Any] = {}
-
-        def reached() -> bool:
-            seen.clear()
-            seen.update(self.status())
-            return seen.get("phase") in phases and (not finished or bool(seen.get("finished")))
-
-        wait_until(reached, timeout, f"rollout phase in {phases}", every=1.0)
-        return seen
+    def watch_to_the_end(self, *phases: str, timeout: float = 240) -> dict[str, Any]:
+        """``rollout status --watch --json`` until the rollout finishes (one process, as CI
+        gates on it; polling ``rollout status`` once a second started a process that attached
+        to the cluster each time, on the two cores the nodes run on); its exit code is the
+        outcome's, and the last view's phase must be one of ``phases``."""
+        done = subprocess.run(
+            [ROLLOUT, "status", "--watch", "--interval", "1", *self.common()],
+            capture_output=True, text=True, timeout=timeout,
+            cwd=self.work, env={**os.environ, "RAY_AUTH_MODE": "token"},
+        )  # fmt: skip
+        assert "Traceback" not in done.stderr, done.stderr[-4000:]
+        last = json.loads(done.stdout.strip().splitlines()[-1])
+        assert last.get("finished") and last.get("phase") in phases, (last, done.stderr[-2000:])
+        assert done.returncode == exit_code_for_phase(last["phase"]), done.returncode
+        return last
 
     def wait_canary_weight(self, timeout: float = 180) -> dict[str, Any]:
         seen: dict[str, Any] = {}
@@ -196,14 +204,14 @@ def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNod
             "stable, canary and router replicas on both workers",
             every=1.0,
         )
-        done = mn.wait_phase("succeeded", finished=True)
+        done = mn.watch_to_the_end("succeeded")
         assert mn.stable_artifact() == CANDIDATE, done
 
         # Back to v41, and an operator rollback while its canary takes traffic.
         mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
         mn.wait_canary_weight()
         mn.rollout("rollback", "--reason", "multinode test")
-        ended = mn.wait_phase("rolled_back", finished=True)
+        ended = mn.watch_to_the_end("rolled_back")
         assert (ended["weights"] or {}).get("canary_bp") == 0
         assert mn.stable_artifact() == CANDIDATE
     finally:
@@ -250,7 +258,7 @@ def test_a_worker_lost_mid_step_then_the_controller_killed(mn: MultiNodeEnv) -> 
             "the controller restarted",
             every=1.0,
         )
-        ended = mn.wait_phase("succeeded", "rolled_back", "aborted", "failed", finished=True)
+        ended = mn.watch_to_the_end("succeeded", "rolled_back", "aborted", "failed")
         assert ended["phase"] in ("succeeded", "rolled_back"), ended
         only = mn.cluster.worker_node_ids()
         assert len(only) == 1
