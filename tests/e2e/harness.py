@@ -25,7 +25,8 @@ router, stable and canary replicas, so revisions start from the registry's (1, 2
 its replicas report to the real controller actor (``rollout-controller``), while the first
 application keeps serving the data-plane tests. Deployed once per session for the controller
 tests, the acceptance, autoscaling and shadow scenarios (tests/e2e/conftest.py runs those
-modules last): a test finds the registry with earlier modules' rollouts in it. The controller
+modules first and removes the app after them): a test finds the registry with earlier
+modules' rollouts in it. The controller
 ticks every 0.5 s (its default is 1 s): each tick reads Serve's config over REST and, during a
 rollout, scrapes the metrics endpoint; at 0.3 s its process took about a fifth of a core.
 
