@@ -7,9 +7,10 @@
   about 30 s of this machine's two cores). Those modules run first, one after another
   (``pytest_collection_modifyitems``), and the app is removed after the last of their tests
   (``pytest_runtest_teardown``), so it never idles beside the other modules. First, because
-  the session cluster slows as it ages (every replica started leaves series in the node's
-  metrics export, which the controller and Ray's agent go through on every scrape): run after
-  the other modules, the same rollout scenarios took about twice as long.
+  the session cluster slows as it ages: run after the other modules, the same rollout
+  scenarios took about twice as long (the likely cause: every replica started leaves series in
+  the node's metrics export, which the controller and Ray's agent go through on every scrape;
+  the export's growth itself was not measured).
 - ``rollout_env`` (per test): ``env`` with stable on the baseline and no rollout running, at
   the start and at the end.
 - ``scenario`` (per test): a tests/e2e/dsl.py ``Scenario`` on ``rollout_env``, closed (its
