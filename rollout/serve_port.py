@@ -170,10 +170,38 @@ def replica_user_config(
     current: Mapping[str, Any], cohort: Cohort, target: Target | None
 ) -> dict[str, Any] | None:
     """The whole user_config of a cohort's replicas with ``target``; None when ``current``
-    already says that."""
-    config = ReplicaConfig.from_user_config(current)
+    already says that.
+
+    The target is the controller's to write: where the one in ``current`` is one no replica
+    accepts (a revision 0 put by hand, a field an older tool wrote), the rest is kept and the
+    target replaced, so a repair is never refused for the very value it repairs. An invalid
+    field elsewhere still refuses, naming the field."""
+    try:
+        config = ReplicaConfig.from_user_config(current)
+    except ConfigError:
+        rest = ReplicaConfig.from_user_config({k: v for k, v in current.items() if k != "target"})
+        return rest.with_target(target).model_dump(mode="json", exclude_unset=True)
     wanted = config.with_target(target)
     return None if wanted == config else wanted.model_dump(mode="json", exclude_unset=True)
+
+
+def _router_parts(
+    current: Mapping[str, Any], canary_bp: int | None, shadow: ShadowRouting | None
+) -> tuple[RouterConfig | None, RouterConfig]:
+    """The router's user_config ``current`` parsed (None when invalid), and the part of it the
+    controller keeps: all of it, or, where only the fields it is about to write (``canary_bp``,
+    ``shadow``: those given) make it invalid, the rest, so that a repair replaces them rather
+    than stopping at them. Any other invalid field: ConfigError naming it."""
+    try:
+        config = RouterConfig.from_user_config(current)
+        return config, config
+    except ConfigError:
+        given = {"canary_bp": canary_bp, "shadow": shadow}
+        owned = {name for name, value in given.items() if value is not None}
+        if not owned:
+            raise
+        rest = {k: v for k, v in current.items() if k not in owned}
+        return None, RouterConfig.from_user_config(rest)
 
 
 def router_user_config(
@@ -183,8 +211,8 @@ def router_user_config(
 ) -> dict[str, Any] | None:
     """The router's whole user_config with ``canary_bp`` and ``shadow`` (None: as they are),
     checked as a whole; None when ``current`` already says that."""
-    config = RouterConfig.from_user_config(current)
-    data = config.model_dump(mode="json", exclude_unset=True)
+    config, kept = _router_parts(current, canary_bp, shadow)
+    data = kept.model_dump(mode="json", exclude_unset=True)
     if canary_bp is not None:
         data["canary_bp"] = canary_bp
     if shadow is not None:
@@ -213,10 +241,10 @@ def drift(state: ServeState, wanted: ServeChange) -> frozenset[str]:
         and router.user_config is not None
         and (wanted.canary_bp is not None or wanted.shadow is not None)
     ):
-        asked = RouterConfig.from_user_config(router.user_config)
-        if wanted.canary_bp is not None and asked.canary_bp != wanted.canary_bp:
+        asked, _ = _router_parts(router.user_config, wanted.canary_bp, wanted.shadow)
+        if wanted.canary_bp is not None and (asked is None or asked.canary_bp != wanted.canary_bp):
             found.add(ROUTER_WEIGHT)
-        if wanted.shadow is not None and asked.shadow != wanted.shadow:
+        if wanted.shadow is not None and (asked is None or asked.shadow != wanted.shadow):
             found.add(ROUTER_SHADOW)
     canary = state.canary
     if (
@@ -380,10 +408,10 @@ class HttpServePort:
                 self.names[ROUTER],
             )
             if set_user_config(ROUTER, lambda cur: router_user_config(cur, bp, shadow)):
-                old = RouterConfig.from_user_config(before or {})
-                if bp is not None and old.canary_bp != bp:
+                old, _ = _router_parts(before or {}, bp, shadow)
+                if bp is not None and (old is None or old.canary_bp != bp):
                     changed.add(ROUTER_WEIGHT)
-                if shadow is not None and old.shadow != shadow:
+                if shadow is not None and (old is None or old.shadow != shadow):
                     changed.add(ROUTER_SHADOW)
         if change.canary_replicas is not None and self._scale(
             config, details, self.names[CANARY], change.canary_replicas

@@ -26,6 +26,7 @@ from app.errors import NotFound
 from app.polling import wait_until
 from app.registry import Registry, open_registry
 from rollout.actor import get_controller
+from rollout.metrics import parse_exposition
 from tests import artifacts, postgres
 from tests.e2e.artifact_server import GatedArtifactServer
 from tests.e2e.dsl import Scenario, plan
@@ -314,19 +315,19 @@ def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
 # a gate, goes through both and then on to promotion (each had a rollout of its own before).
 
 
+DRIFT_REPAIRS = "ray_ranker_rollout_drift_repairs_total"
+
+
 def drift_repairs_by_process(s: Scenario) -> dict[frozenset, float]:
     """The controllers' ``canary.target`` drift repairs, per exporting process (what an alert
     on drift reads; a controller killed earlier may linger in the node's export)."""
     text = httpx.get(s.env.cluster.metrics_url, timeout=10).text
     found: dict[frozenset, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name != "ray_ranker_rollout_drift_repairs_total":
-                continue
-            labels = dict(sample.labels)
-            if labels.pop("drift", "") == "canary.target":
-                key = frozenset(labels.items())
-                found[key] = found.get(key, 0.0) + sample.value
+    for (_, labels), value in parse_exposition(text, [DRIFT_REPAIRS]).items():
+        rest = dict(labels)
+        if rest.pop("drift", "") == "canary.target":
+            key = frozenset(rest.items())
+            found[key] = found.get(key, 0.0) + value
     return found
 
 
@@ -356,6 +357,9 @@ def test_controller_restart_late_notifications_and_a_resubmitted_config_converge
         lambda: s.when.edit_user_config("canary", report_interval_s=original_interval),
     )
     # A late notification: an older revision (the baseline artifact) arrives after the newer.
+    # On a new registry (this test run alone) the canary's revision is 1 and the late one 0,
+    # a target every replica refuses: the replica keeps its model all the same, and the
+    # controller's repair replaces the target it cannot parse (rollout/serve_port.py).
     late = {
         "revision": canary_target.revision - 1,
         "artifact_id": BASELINE,

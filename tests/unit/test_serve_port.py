@@ -279,6 +279,47 @@ def test_a_user_config_the_replicas_would_refuse_is_not_written_over(
     assert dashboard.puts == []
 
 
+def test_a_target_no_replica_accepts_is_repaired_and_the_rest_kept(
+    dashboard: FakeDashboard,
+) -> None:
+    # A late or hand-made notification put a revision 0 (refused by every replica) in the
+    # canary's user_config, and a weight over 100% in the router's: the controller owns both
+    # fields, so its repair replaces them instead of stopping at them.
+    live = dashboard.live("ranker", "canary")["deployment_config"]["user_config"]
+    live["target"] = {**V41.model_dump(mode="json"), "revision": 0}
+    live["report_interval_s"] = 0.4
+    dashboard.live("ranker", "router")["deployment_config"]["user_config"]["canary_bp"] = 20_000
+    port = port_for(dashboard)
+    wanted = ServeChange(targets={"canary": V42}, canary_bp=500)
+
+    assert drift(port.read(), wanted) == {CANARY_TARGET, ROUTER_WEIGHT}
+    assert port.write(wanted) == {CANARY_TARGET, ROUTER_WEIGHT}
+
+    entries = {
+        e["name"]: e["user_config"] for e in dashboard.puts[0]["applications"][0]["deployments"]
+    }
+    assert entries["canary"]["target"] == V42.model_dump(mode="json")
+    assert entries["canary"]["report_interval_s"] == 0.4
+    assert entries["router"]["canary_bp"] == 500
+    assert drift(port.read(), wanted) == set()
+
+
+def test_an_invalid_field_the_controller_does_not_own_still_stops_the_repair(
+    dashboard: FakeDashboard,
+) -> None:
+    live = dashboard.live("ranker", "canary")["deployment_config"]["user_config"]
+    live["target"] = {**V41.model_dump(mode="json"), "revision": 0}
+    live["report_interval_s"] = -1
+    with pytest.raises(ConfigError, match=r"user_config\.report_interval_s"):
+        port_for(dashboard).write(ServeChange(targets={"canary": V42}))
+    router = dashboard.live("ranker", "router")["deployment_config"]["user_config"]
+    router["canary_bp"] = 20_000
+    router["probe_interval_s"] = -1
+    with pytest.raises(ConfigError, match=r"user_config\.probe_interval_s"):
+        port_for(dashboard).write(ServeChange(canary_bp=500))
+    assert dashboard.puts == []
+
+
 @pytest.mark.parametrize("status", [500, 502, 503, 504])
 def test_a_server_error_is_unreachable_on_read_and_on_write(
     dashboard: FakeDashboard, status: int
