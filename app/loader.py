@@ -67,6 +67,16 @@ BATCH_INVARIANCE_ATOL: Final = {torch.float32: 1e-3, torch.float16: 2e-2, torch.
 # What a weights file may be made of (app.loader._check_zip_records, _check_safetensors_header).
 SAFETENSORS_DTYPES: Final = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
 MAX_SAFETENSORS_HEADER_BYTES: Final = 100 << 20  # the safetensors format's own limit
+# What a header may hold beyond its tensors' entries (safetensors_header_limit): string
+# metadata, and per tensor its quoted name plus its dtype, shape and offsets spelled out
+# with room for whitespace (a writer's compact entry takes about half of this).
+SAFETENSORS_METADATA_ALLOWANCE: Final = 64 << 10
+SAFETENSORS_ENTRY_ALLOWANCE: Final = 256
+SAFETENSORS_DIMENSION_ALLOWANCE: Final = 32
+# What parsing a header may build in CPython, per byte of it: an empty object in every 3
+# bytes ("{},") is the worst case (25x, measured with tracemalloc); a real header's entries
+# about 6x.
+SAFETENSORS_PARSE_BYTES_PER_BYTE: Final = 26
 MAX_ZIP_RECORDS: Final = 4096
 ZIP_LOCAL_HEADER_SIGNATURE: Final = b"PK\x03\x04"
 ZIP_LOCAL_HEADER_BYTES: Final = 30
@@ -242,10 +252,13 @@ def _deserialize_torch(
 class SafetensorsAssembler:
     """Builds the state dict of ``weights.safetensors`` from its bytes fed in file order, in
     chunks of any size: from the cache's download as it hashes them (a cold fetch), or from
-    a cache entry read once (a hit). Nothing holds the file: the 8-byte length and the header
-    are kept, checked against the architecture, then every tensor is allocated where it will
-    live (``device``, the compute dtype) and filled as its bytes pass; padding between
-    tensors is passed over (the reader hashes it like every other byte).
+    a cache entry read once (a hit). Nothing holds the file: the 8-byte length is checked
+    against a bound the architecture sets (``safetensors_header_limit``), the header is kept
+    and checked against the architecture, then every tensor is allocated where it will live
+    (``device``, the compute dtype) and filled as its bytes pass. The header is accepted only
+    where its tensors' bytes follow each other to the file's end, as the reference parser
+    requires; the skipping of bytes between spans below is a guard that such a header never
+    reaches.
 
     The bytes are not trusted yet when they arrive: the caller's digest check over the same
     bytes decides, and on a mismatch everything built is dropped. So a malformed header is
@@ -397,6 +410,18 @@ class SafetensorsAssembler:
                     f"header declares {header_len} bytes; the file has {self._size - 8} after "
                     f"the length (max {MAX_SAFETENSORS_HEADER_BYTES})",
                 )
+            # Bounded by the architecture before a byte of it is kept: the file's digest is
+            # only known at its end, and parsing a crafted header of many MiB costs many
+            # times its size in memory.
+            limit = safetensors_header_limit(self._expected)
+            if header_len > limit:
+                raise _unreadable(
+                    name,
+                    f"header declares {header_len} bytes; the architecture's "
+                    f"{len(self._expected)} tensors allow at most {limit} (their names, "
+                    f"shapes and offsets, and {SAFETENSORS_METADATA_ALLOWANCE} bytes of "
+                    "metadata)",
+                )
             self._header_len = header_len
         if self._header_len is not None and len(self._preamble) == 8 + self._header_len:
             self._payload = self._size - 8 - self._header_len
@@ -532,21 +557,53 @@ def _check_declared(state: object, expected: Shapes, precision: str, name: str) 
         )
 
 
+def safetensors_header_limit(expected: Shapes) -> int:
+    """The most bytes a safetensors header of the tensors ``expected`` may take: each entry's
+    JSON-quoted name and an allowance for its dtype, shape and offsets, the metadata
+    allowance, and the format's padding to 8 bytes."""
+    entries = sum(
+        len(json.dumps(key)) + SAFETENSORS_ENTRY_ALLOWANCE
+        + SAFETENSORS_DIMENSION_ALLOWANCE * len(shape)
+        for key, shape in expected.items()
+    )  # fmt: skip
+    return min(entries + SAFETENSORS_METADATA_ALLOWANCE + 8, MAX_SAFETENSORS_HEADER_BYTES)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object with a key given twice is refused: parsers disagree on which one wins."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _check_safetensors_header(
     header_bytes: bytes, payload: int, expected: Shapes, precision: str
 ) -> list[tuple[int, int, str]]:
     """The safetensors header (its JSON, after the 8-byte length) against the architecture
-    and the file, before a tensor is read: the right keys, dtype and shapes, and byte ranges
-    of the ``payload`` bytes that follow it that are exactly each tensor's size, inside the
-    file and not overlapping. Returns the ranges in file order, with their tensor names."""
+    and the file, before a tensor is read: the right keys, dtype and shapes, string-only
+    metadata, and byte ranges of exactly each tensor's size that follow each other from the
+    start of the ``payload`` (the bytes after the header) to its end, as the reference parser
+    requires: no gap, no overlap, no trailing bytes. Returns the ranges in file order, with
+    their tensor names."""
     name = WEIGHTS_FILES["safetensors"]
     try:
-        header = json.loads(header_bytes)
+        header = json.loads(header_bytes, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        raise _unreadable(name, f"header names {str(exc)!r} twice") from None
     except ValueError:  # UnicodeDecodeError included
         raise _unreadable(name, "header is not JSON") from None
     if not isinstance(header, dict):
         raise _unreadable(name, "header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ArtifactRejected("load", f"{name} header: __metadata__ must map strings to strings")
     _check_keys(expected, header, f"{name} header: ")
     dtype_tag = SAFETENSORS_DTYPES[precision]
     itemsize = PRECISIONS[precision].itemsize
@@ -585,6 +642,20 @@ def _check_safetensors_header(
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise ArtifactRejected("load", f"{name} header: {first} and {second} overlap")
+        if start > end:
+            raise ArtifactRejected(
+                "load", f"{name} header: a gap of {start - end} bytes between {first} and {second}"
+            )
+    if spans and spans[0][0] != 0:
+        raise ArtifactRejected(
+            "load", f"{name} header: a gap of {spans[0][0]} bytes before {spans[0][2]}"
+        )
+    covered = spans[-1][1] if spans else 0
+    if covered != payload:
+        raise ArtifactRejected(
+            "load",
+            f"{name} header: {payload - covered} trailing bytes after the last tensor",
+        )
     return spans
 
 
@@ -1132,9 +1203,12 @@ def _memory_estimate(
     file_bytes = manifest.file(WEIGHTS_FILES[manifest.runtime]).bytes
     if manifest.runtime == "safetensors":
         # Streamed (SafetensorsAssembler): tensors are allocated where they live and filled
-        # as the bytes pass, so beside them only the reader's chunk buffers, on the host (on
-        # a GPU a converting copy converts a chunk on the host too: nothing on the device).
-        temporaries = READ_BUFFERS * CHUNK_BYTES if device.type == "cpu" else 0
+        # as the bytes pass, so beside them only the reader's chunk buffers and the header
+        # (its bytes and what parsing them builds, both bounded by the architecture), on the
+        # host (on a GPU a converting copy converts a chunk on the host too: nothing on the
+        # device).
+        header = safetensors_header_limit(expected) * (1 + SAFETENSORS_PARSE_BYTES_PER_BYTE)
+        temporaries = READ_BUFFERS * CHUNK_BYTES + header if device.type == "cpu" else 0
     elif device.type == "cpu":
         # The verified file bytes, plus the deserialized tensors when they are upcast. The
         # file bounds what deserializing costs: compressed records are refused and declared

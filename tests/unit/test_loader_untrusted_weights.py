@@ -297,3 +297,88 @@ def test_honest_safetensors_header_written_by_hand_loads(tmp_path):
         tmp_path, "ranker-st-ok", safetensors_with_header(header, payload)
     )
     assert load_verified(open_verified(result), device=CPU).artifact_id == "ranker-st-ok"
+
+
+def test_a_header_larger_than_the_architecture_allows_is_refused_before_it_is_parsed(tmp_path):
+    # A genuine header padded with metadata to 4 MiB (an audit's was 65 MiB and grew the
+    # process by 1.86 GiB as JSON): refused from its declared length, before a byte of it is
+    # kept or parsed, with the bound and where it comes from.
+    header, payload = honest_header()
+    header["__metadata__"] = {"padding": "x" * (4 << 20)}
+    err = rejected(
+        safetensors_artifact_with(
+            tmp_path, "ranker-st-big", safetensors_with_header(header, payload)
+        )
+    )
+    assert err.category == "load", err
+    assert "header declares" in err.detail and "allow at most" in err.detail, err
+    assert "tensors" in err.detail and "metadata" in err.detail, err
+
+
+def test_string_metadata_within_the_allowance_loads(tmp_path):
+    header, payload = honest_header()
+    header["__metadata__"] = {"format": "pt", "note": "n" * 4096}
+    result = safetensors_artifact_with(
+        tmp_path, "ranker-st-meta", safetensors_with_header(header, payload)
+    )
+    assert load_verified(open_verified(result), device=CPU).artifact_id == "ranker-st-meta"
+
+
+def shifted(header: dict[str, object], key: str, by: int) -> dict[str, object]:
+    """``header`` with ``key``'s bytes and every later tensor's ``by`` bytes further on."""
+    start = header[key]["data_offsets"][0]  # type: ignore[index]
+    out: dict[str, object] = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]  # type: ignore[index]
+        if begin >= start:
+            info = dict(info, data_offsets=[begin + by, end + by])  # type: ignore[arg-type]
+        out[name] = info
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("gap", "gap"),
+        ("trailing", "trailing"),
+        ("late-start", "gap"),
+        ("metadata-not-strings", "__metadata__"),
+        ("metadata-not-object", "__metadata__"),
+        ("duplicate-key", "twice"),
+    ],
+)
+def test_what_the_reference_parser_refuses_is_refused(tmp_path, case: str, expected: str):
+    """The reference safetensors parser accepts only tensors whose bytes follow each other
+    from the payload's start to its end, and string-to-string metadata; so does the loader
+    (and it refuses a tensor named twice, which JSON parsers resolve each their own way)."""
+    header, payload = honest_header()
+    last = max(header, key=lambda k: header[k]["data_offsets"][0])  # type: ignore[index]
+    raw: bytes | None = None
+    if case == "gap":
+        header = shifted(header, last, 8)
+        payload = (
+            payload[: header[last]["data_offsets"][0] - 8]
+            + bytes(8)
+            + payload[header[last]["data_offsets"][0] - 8 :]
+        )  # type: ignore[index]
+    elif case == "trailing":
+        payload += bytes(8)
+    elif case == "late-start":
+        header = shifted(header, min(header, key=lambda k: header[k]["data_offsets"][0]), 8)  # type: ignore[index]
+        payload = bytes(8) + payload
+    elif case == "metadata-not-strings":
+        header["__metadata__"] = {"format": "pt", "epoch": 3}
+    elif case == "metadata-not-object":
+        header["__metadata__"] = ["format", "pt"]
+    elif case == "duplicate-key":
+        text = json.dumps(header)
+        entry = json.dumps({last: header[last]})[1:-1]
+        raw = ("{" + entry + ", " + text[1:]).encode()
+    data = (
+        safetensors_with_header(header, payload)
+        if raw is None
+        else struct.pack("<Q", len(raw)) + raw + payload
+    )
+    err = rejected(safetensors_artifact_with(tmp_path, f"ranker-st-{case}", data))
+    assert err.category == "load", err
+    assert "header" in err.detail and expected in err.detail, err

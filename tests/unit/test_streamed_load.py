@@ -2,11 +2,12 @@
 every byte read once, hashed from the buffer it landed in, straight into the tensors.
 
 Real packed artifacts, a real cache, real torch: tensors equal to what the safetensors library
-reads from the same file (fp32, and fp16/bf16 upcast on the CPU); padding between tensors is
-hashed too; a byte changed in the cache after verification is caught during the load and
-nothing is installed (the entry is set aside, the next load fetches it again); a cancelled
-load stops within one chunk and gives its memory back; a ~1 GiB load's peak RSS is the
-weights plus a bounded margin (measured in a process of its own).
+reads from the same file (fp32, and fp16/bf16 upcast on the CPU); padding between or after
+tensors (refused by the reference parser) is refused once the digest holds; a byte changed in
+the cache after verification is caught during the load and nothing is installed (the entry is
+set aside, the next load fetches it again); a cancelled load stops within one chunk and gives
+its memory back; a ~1 GiB load's peak RSS is the weights plus a bounded margin (measured in a
+process of its own).
 """
 
 from __future__ import annotations
@@ -102,11 +103,13 @@ def test_same_dtype_bytes_are_read_straight_into_the_tensors(
 
 def padded_safetensors(gap: int, tail: int) -> bytes:
     """The tiny ranker's weights with ``gap`` bytes between tensors and ``tail`` after the
-    last: allowed by the format, skipped (and hashed) by the streamed reader."""
+    last: what the reference safetensors parser refuses ("invalid offset", "file not fully
+    covered")."""
     header: dict[str, object] = {}
     payload = b""
     for key, value in sorted(tiny_weights().items()):
-        payload += b"\xaa" * gap
+        if payload:
+            payload += b"\xaa" * gap
         raw = value.contiguous().numpy().tobytes()
         header[key] = {
             "dtype": "F32",
@@ -119,21 +122,22 @@ def padded_safetensors(gap: int, tail: int) -> bytes:
     return struct.pack("<Q", len(raw_header)) + raw_header + payload
 
 
-def test_padding_between_tensors_is_skipped_and_still_hashed(tmp_path: Path) -> None:
-    data = padded_safetensors(gap=24, tail=40)
+@pytest.mark.parametrize(("gap", "tail", "problem"), [(24, 0, "gap"), (0, 40, "trailing")])
+def test_padding_is_refused_once_the_bytes_are_known_to_be_the_verified_ones(
+    tmp_path: Path, gap: int, tail: int, problem: str
+) -> None:
+    data = padded_safetensors(gap=gap, tail=tail)
 
     def edit(src: Path) -> None:
         (src / ST).write_bytes(data)
 
-    result = pack_ranker(tmp_path, artifact_id="st-padded", edit_source=edit)
-    model = load_verified(open_verified(result), device=CPU)
-    try:
-        want = tiny_weights()
-        for key, tensor in served_state(model).items():
-            assert torch.equal(tensor, want[key]), key
-    finally:
-        model.close()
-    flip_byte(result, ST, offset=-1)  # a byte of the trailing padding: no tensor holds it
+    result = pack_ranker(tmp_path, artifact_id=f"st-padded-{problem}", edit_source=edit)
+    with pytest.raises(ArtifactRejected) as info:
+        load_verified(open_verified(result), device=CPU)
+    assert info.value.category == "load" and problem in info.value.detail, info.value
+    # The same file with a byte changed in transit: the digest speaks first (retryable),
+    # not the header's verdict over bytes that were never the published ones.
+    flip_byte(result, ST, offset=-1)
     with pytest.raises(ArtifactRejected) as info:
         load_verified(open_verified(result), device=CPU)
     assert info.value.category == "digest", info.value
@@ -366,14 +370,13 @@ def test_a_load_cancelled_during_its_dry_run_is_cancelled_not_failed(tmp_path: P
 
 
 def safetensors_bytes(
-    weights: dict[str, torch.Tensor], gap: int, header_pad: int
+    weights: dict[str, torch.Tensor], header_pad: int
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
-    """A hand-made file: ``gap`` bytes before every tensor (odd: elements at odd offsets)
-    and a header of odd length."""
+    """A hand-made file with ``header_pad`` spaces after the header's JSON (odd: every element
+    at an odd offset of the file, so chunks split elements)."""
     header: dict[str, object] = {}
     payload = b""
     for key, value in sorted(weights.items()):
-        payload += b"\x5a" * gap
         raw = value.contiguous().view(torch.uint8).numpy().tobytes()
         tag = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}[value.dtype]
         header[key] = {
@@ -396,7 +399,7 @@ def test_the_assembler_takes_chunks_of_any_size(precision: str, chunk: int) -> N
 
     stored = PRECISIONS[precision]
     weights = {k: v.to(stored) for k, v in tiny_weights().items()}
-    data, want = safetensors_bytes(weights, gap=3, header_pad=5)
+    data, want = safetensors_bytes(weights, header_pad=5)
     model = build_ranker(
         Architecture(name="ranker-mlp", version=1, params=dict(TINY_PARAMS)), device="meta"
     )
