@@ -457,9 +457,13 @@ class StandbyConfig(Contract):
     recovering cohort takes all its traffic.
 
     ``policy``: ``auto`` uses the fallback only while its offline evaluation (the
-    ``accuracy_metric`` of its manifest's ``offline_evaluation``) is at least stable's times
-    ``1 - accuracy_margin``; otherwise requests get 503 + Retry-After rather than a noticeably
-    worse model. ``always`` and ``never`` are an operator's override either way.
+    ``accuracy_metric`` of its manifest's ``offline_evaluation``) is worse than stable's by
+    at most ``accuracy_margin`` times the size of stable's number, in the metric's direction;
+    otherwise requests get 503 + Retry-After rather than a noticeably worse model. The
+    direction is ``accuracy_higher_is_better`` when set, else the known metrics' table
+    (``app.standby.METRIC_HIGHER_IS_BETTER``); a metric in neither refuses the fallback. The
+    guard trusts the numbers the manifests declare: it does not measure them. ``always`` and
+    ``never`` are an operator's override either way.
 
     A fallback that is not serving (cold: no replica up yet, or still loading) makes requests
     wait for it, at most ``cold_queue_max`` at once and each at most ``cold_wait_s``; beyond
@@ -474,6 +478,8 @@ class StandbyConfig(Contract):
     ramp_s: Annotated[float, Field(ge=0, le=MAX_DURATION_S)] = 30.0
     accuracy_metric: Name = "ndcg_at_10"
     accuracy_margin: Annotated[float, Field(ge=0, le=1)] = 0.05
+    # None: the direction comes from the table of known metrics (unknown: refused).
+    accuracy_higher_is_better: bool | None = None
     cold_queue_max: Annotated[int, Field(ge=0, le=100_000)] = 64
     cold_wait_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
 

@@ -37,6 +37,7 @@ the cohort since then.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -213,6 +214,61 @@ def admission_point(key: str) -> int:
 # --------------------------------------------------------------------------- accuracy guard
 
 
+# Which way each known offline metric improves (True: higher is better). Names are matched
+# lowercased, with a rank cutoff (``_at_10``, ``@10``) dropped and a ``neg_`` prefix (scikit-
+# learn's negated losses) flipping the direction. A metric not here needs the operator's
+# ``accuracy_higher_is_better``: guessing wrong would let a much worse fallback answer.
+METRIC_HIGHER_IS_BETTER: Final[Mapping[str, bool]] = {
+    **dict.fromkeys(
+        (
+            "accuracy",
+            "auc",
+            "roc_auc",
+            "pr_auc",
+            "ndcg",
+            "dcg",
+            "map",
+            "mrr",
+            "precision",
+            "recall",
+            "hit_rate",
+            "f1",
+            "r2",
+        ),
+        True,
+    ),
+    **dict.fromkeys(
+        (
+            "logloss",
+            "log_loss",
+            "cross_entropy",
+            "loss",
+            "rmse",
+            "mse",
+            "mae",
+            "mean_squared_error",
+            "root_mean_squared_error",
+            "mean_absolute_error",
+            "error_rate",
+            "brier_score",
+        ),
+        False,
+    ),
+}
+_RANK_CUTOFF: Final = re.compile(r"(?:_at_|@)\d+$")
+_NEGATED: Final = "neg_"
+
+
+def metric_direction(metric: str) -> bool | None:
+    """True when a higher ``metric`` is better, False when lower is, None when unknown
+    (``METRIC_HIGHER_IS_BETTER``)."""
+    name = _RANK_CUTOFF.sub("", metric.lower())
+    if name.startswith(_NEGATED):
+        known = METRIC_HIGHER_IS_BETTER.get(name.removeprefix(_NEGATED))
+        return None if known is None else not known
+    return METRIC_HIGHER_IS_BETTER.get(name)
+
+
 @dataclass(frozen=True)
 class AccuracyVerdict:
     allowed: bool
@@ -231,7 +287,15 @@ def accuracy_verdict(
 ) -> AccuracyVerdict:
     """May the fallback answer? ``fallback`` and ``stable``: the offline evaluations their
     serving models report (None: not known yet). Under ``auto`` a number missing on either
-    side refuses: the guard cannot tell how much worse the fallback is."""
+    side refuses: the guard cannot tell how much worse the fallback is.
+
+    The numbers are the manifests' own (``metadata.offline_evaluation``): the guard trusts
+    them, it does not measure the models. It compares by the metric's direction (the
+    config's ``accuracy_higher_is_better``, else ``metric_direction``; neither: refused). The
+    margin is relative to the size of stable's number: the fallback may be worse by at most
+    ``accuracy_margin * |stable|``, in absolute terms, whatever the direction and the sign (a
+    factor ``1 - margin`` would tighten instead of loosen a negative number). An equal number
+    always passes; with stable at 0 only an equal or better one does."""
     metric = config.accuracy_metric
     fb = None if fallback is None else fallback.get(metric)
     st = None if stable is None else stable.get(metric)
@@ -239,6 +303,18 @@ def accuracy_verdict(
         return AccuracyVerdict(True, "policy always: the operator allows the fallback", fb, st)
     if config.policy == "never":
         return AccuracyVerdict(False, "policy never: the operator refuses the fallback", fb, st)
+    higher_is_better = config.accuracy_higher_is_better
+    if higher_is_better is None:
+        higher_is_better = metric_direction(metric)
+    if higher_is_better is None:
+        # A setting to fix, not a cold fallback to wait for: refused before that check.
+        return AccuracyVerdict(
+            False,
+            f"whether a higher or lower {metric!r} is better is unknown: refused"
+            " (set router.standby.accuracy_higher_is_better)",
+            fb,
+            st,
+        )
     if fallback is None:
         return AccuracyVerdict(
             False, "the fallback has not served a model yet", fb, st, fallback_unknown=True
@@ -251,13 +327,20 @@ def accuracy_verdict(
         return AccuracyVerdict(
             False, f"stable's model has reported no offline {metric}: refused", fb, st
         )
-    floor = st * (1.0 - config.accuracy_margin)
-    relation = f"fallback {metric} {fb:g} vs stable {st:g}, at least {floor:g} needed"
-    if fb >= floor:
-        return AccuracyVerdict(True, f"within {config.accuracy_margin:.0%}: {relation}", fb, st)
-    return AccuracyVerdict(
-        False, f"outside {config.accuracy_margin:.0%}: {relation}; answering 503", fb, st
-    )
+    tolerance = config.accuracy_margin * abs(st)
+    if higher_is_better:
+        bound = st - tolerance
+        ok = fb >= bound
+        needed = f"higher is better, at least {bound:g} needed"
+    else:
+        bound = st + tolerance
+        ok = fb <= bound
+        needed = f"lower is better, at most {bound:g} needed"
+    relation = f"fallback {metric} {fb:g} vs stable {st:g} ({needed})"
+    margin = f"{config.accuracy_margin:.0%}"
+    if ok:
+        return AccuracyVerdict(True, f"within {margin}: {relation}", fb, st)
+    return AccuracyVerdict(False, f"outside {margin}: {relation}; answering 503", fb, st)
 
 
 # --------------------------------------------------------------------------- routing
@@ -326,6 +409,7 @@ def primaries_down(
 
 
 __all__ = [
+    "METRIC_HIGHER_IS_BETTER",
     "AccuracyVerdict",
     "BreakerState",
     "PrimaryBreaker",
@@ -333,6 +417,7 @@ __all__ = [
     "accuracy_verdict",
     "admission_point",
     "fully_available",
+    "metric_direction",
     "primaries_down",
     "route_with_standby",
 ]

@@ -16,6 +16,7 @@ from app.standby import (
     PrimaryBreaker,
     accuracy_verdict,
     admission_point,
+    metric_direction,
     primaries_down,
     route_with_standby,
 )
@@ -237,6 +238,109 @@ def test_the_operator_overrides_the_guard_either_way() -> None:
     better = ({"ndcg_at_10": 0.5}, {"ndcg_at_10": 0.4})
     refused = accuracy_verdict(StandbyConfig(policy="never"), *better)
     assert not refused.allowed and "policy never" in refused.reason
+
+
+# Audit N7: the guard compares by each metric's direction, for any sign of the numbers.
+
+
+def test_a_lower_is_better_metric_ten_times_worse_is_refused() -> None:
+    config = StandbyConfig(accuracy_metric="logloss", accuracy_margin=0.05)
+    worse = accuracy_verdict(config, {"logloss": 3.0}, {"logloss": 0.3})
+    assert not worse.allowed and "outside 5%" in worse.reason
+    assert "lower is better" in worse.reason and "at most 0.315" in worse.reason
+    assert accuracy_verdict(config, {"logloss": 0.31}, {"logloss": 0.3}).allowed
+    assert accuracy_verdict(config, {"logloss": 0.1}, {"logloss": 0.3}).allowed
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher_is_better", "value"),
+    [
+        ("r2", None, -0.2),  # known, higher is better, negative for a poor model
+        ("neg_log_loss", None, -0.35),  # scikit-learn's negated loss: higher is better
+        ("log_likelihood", True, -1.5),  # unknown, declared by the operator
+        ("energy", False, -2.0),  # unknown, declared lower is better
+        ("ndcg_at_10", None, 0.0),
+        ("rmse", None, 0.0),
+    ],
+)
+def test_an_equal_metric_is_accepted_whatever_its_sign(metric, higher_is_better, value) -> None:
+    config = StandbyConfig(accuracy_metric=metric, accuracy_higher_is_better=higher_is_better)
+    verdict = accuracy_verdict(config, {metric: value}, {metric: value})
+    assert verdict.allowed and "within 5%" in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher_is_better", "fallback", "stable", "allowed"),
+    [
+        # The margin is 5% of |stable's value|, on the worse side of it.
+        ("auc", None, 0.70, 0.78, False),
+        ("auc", None, 0.75, 0.78, True),
+        ("r2", None, -0.30, -0.20, False),  # 0.1 worse, 0.01 allowed
+        ("r2", None, -0.205, -0.20, True),
+        ("r2", None, 0.10, -0.20, True),  # better
+        ("score", True, -1.10, -1.00, False),
+        ("score", True, -1.04, -1.00, True),
+        ("mae", None, 1.10, 1.00, False),
+        ("mae", None, 1.04, 1.00, True),
+        ("energy", False, -0.90, -1.00, False),  # higher, so worse
+        ("energy", False, -0.96, -1.00, True),
+        ("error_rate", None, 0.001, 0.0, False),  # 5% of nothing: only equal or better
+        ("error_rate", None, 0.0, 0.0, True),
+    ],
+)
+def test_a_metric_worse_by_more_than_the_margin_is_refused_in_either_direction_and_sign(
+    metric, higher_is_better, fallback, stable, allowed
+) -> None:
+    config = StandbyConfig(
+        accuracy_metric=metric, accuracy_margin=0.05, accuracy_higher_is_better=higher_is_better
+    )
+    verdict = accuracy_verdict(config, {metric: fallback}, {metric: stable})
+    assert verdict.allowed is allowed, verdict.reason
+    assert ("within 5%" if allowed else "outside 5%") in verdict.reason
+
+
+def test_a_metric_of_unknown_direction_is_refused_naming_it() -> None:
+    config = StandbyConfig(accuracy_metric="freshness")
+    for fallback in ({"freshness": 0.5}, None):
+        verdict = accuracy_verdict(config, fallback, {"freshness": 0.5})
+        assert not verdict.allowed and "'freshness'" in verdict.reason
+        assert "accuracy_higher_is_better" in verdict.reason
+        # A setting to fix, not a cold fallback to wait for.
+        assert not verdict.fallback_unknown
+    declared = config.model_copy(update={"accuracy_higher_is_better": True})
+    assert accuracy_verdict(declared, {"freshness": 0.5}, {"freshness": 0.5}).allowed
+    # The operator's policy needs no direction.
+    assert accuracy_verdict(
+        StandbyConfig(accuracy_metric="freshness", policy="always"), None, None
+    ).allowed
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher_is_better"),
+    [
+        ("ndcg_at_10", True),
+        ("NDCG@5", True),
+        ("map_at_20", True),
+        ("recall@100", True),
+        ("f1", True),
+        ("logloss", False),
+        ("log_loss", False),
+        ("rmse", False),
+        ("neg_mean_squared_error", True),  # scikit-learn's scorers negate a loss
+        ("neg_r2", False),
+        ("freshness", None),
+        ("ndcg_top", None),
+    ],
+)
+def test_the_table_of_known_metrics(metric, higher_is_better) -> None:
+    assert metric_direction(metric) is higher_is_better
+
+
+def test_the_operators_direction_wins_over_the_table() -> None:
+    # A "loss" that some team reports as a gain: the operator knows, the table guesses.
+    config = StandbyConfig(accuracy_metric="loss", accuracy_higher_is_better=True)
+    assert not accuracy_verdict(config, {"loss": 0.5}, {"loss": 1.0}).allowed
+    assert accuracy_verdict(config, {"loss": 1.5}, {"loss": 1.0}).allowed
 
 
 # --------------------------------------------------------------------------- routes
