@@ -21,6 +21,7 @@ from app.contracts import (
     OperatorCommandName,
     StandbyView,
 )
+from app.safe_text import redact_uri
 from rollout.cluster import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
@@ -58,6 +59,27 @@ def absolute_registry_url(url: str) -> str:
     if url.startswith(prefix) and not url.startswith(prefix + "/"):
         return prefix + os.path.abspath(url[len(prefix) :])
     return url
+
+
+# ControllerPing's bound on a URI: a masked URL is cut to it (masking lengthens an empty
+# query value, "a=" -> "a=***"), so that no URL makes the ping itself invalid.
+MAX_SHOWN_URI: Final = 4096
+
+
+def _shown_uri(uri: str) -> str:
+    return redact_uri(uri)[:MAX_SHOWN_URI]
+
+
+def shown_settings(settings: ControllerSettings) -> dict[str, Any]:
+    """The settings as ``ping`` answers them, every URL's credentials masked: any process that
+    can reach the cluster can call the named actor, and none of its callers needs them (the
+    actor keeps the real ones; a new one gets them from whoever creates it)."""
+    shown = settings.model_dump()
+    for field in ("registry_url", "dashboard_url", "prometheus_url"):
+        if shown[field] is not None:
+            shown[field] = _shown_uri(shown[field])
+    shown["metrics_endpoints"] = tuple(_shown_uri(uri) for uri in settings.metrics_endpoints)
+    return shown
 
 
 def with_standby_policy(router_config: Mapping[str, Any], policy: str) -> dict[str, Any]:
@@ -171,7 +193,7 @@ class RolloutController:
     def ping(self) -> dict[str, Any]:
         return wire(
             ControllerPing(
-                **self.settings.model_dump(),
+                **shown_settings(self.settings),
                 pid=os.getpid(),
                 node_id=_this_node_id(),
                 ticks=self._ticks,
