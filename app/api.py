@@ -20,14 +20,14 @@ from pydantic import (
     field_serializer,
 )
 
-from app.contracts import ErrorInfo, ReplicaPhase, StandbyView
+from app.contracts import MAX_REQUEST_BODY_BYTES, ErrorInfo, ReplicaPhase, StandbyView
 
 DEFAULT_TOP_N: Final = 10
 # Limits of one request, whatever its family: the batch forward pads nothing, but a single
 # request with an unbounded candidate list would still monopolise a replica.
 MAX_CANDIDATES: Final = 2048
 MAX_CANDIDATE_ID_CHARS: Final = 256
-MAX_BODY_BYTES: Final = 8 << 20
+MAX_BODY_BYTES: Final = MAX_REQUEST_BODY_BYTES
 # The model computes in float32: a float64 from this magnitude on rounds to an infinity there
 # (float32's largest finite value plus half a step: below it, values round to that value).
 FLOAT32_OVERFLOW: Final = (2.0 - 2.0**-24) * 2.0**127

@@ -58,6 +58,7 @@ GiB: Final = 1 << 30
 # Bounds shared by many fields: generous for any real deployment, small enough that a typo
 # (an extra zero group, seconds given as milliseconds) is refused rather than obeyed.
 MAX_BYTES: Final = 1 << 50  # 1 PiB
+MAX_REQUEST_BODY_BYTES: Final = 8 << 20  # one request's body (app.api.MAX_BODY_BYTES)
 MAX_REVISION: Final = (1 << 53) - 1  # exact in JSON numbers
 MAX_WALL_CLOCK: Final = 4_102_444_800.0  # 2100-01-01 in Unix seconds
 MAX_DURATION_S: Final = 7 * 24 * 3600.0
@@ -551,9 +552,20 @@ class RouterConfig(Contract):
     canary_bp: BasisPoints = 0
     salt: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "ranker"
     allow_cohort_header: bool = False
+    # Whether an answer names the cohort that gave it (X-Model-Cohort, model.cohort). Off in
+    # production: a client that knows its cohort can aim slow or bad requests at the canary,
+    # the cohort being judged. Tests, the demo and tools behind the gateway turn it on.
+    reveal_cohort: bool = False
     failover: bool = True
     draining: bool = False
+    # Admitted work: requests whose body was read and parsed, until they are answered.
     max_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] = 512
+    # Bodies are read before admission, under bounds of their own (app.body_reads): a
+    # deadline for the whole body (408), how many are read at once and the bytes they hold
+    # together (503); the latter at least one body of the largest size (MAX_REQUEST_BODY_BYTES).
+    body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    max_body_reads: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    max_body_read_bytes: Annotated[int, Field(ge=MAX_REQUEST_BODY_BYTES, le=MAX_BYTES)] = 256 << 20
     retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1
     request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # Coalescing: at most this many handle calls in flight per replica of a cohort (replicas

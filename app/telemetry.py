@@ -35,6 +35,7 @@ ARTIFACT: Final = "artifact"  # shadow comparisons: the canary's artifact id (th
 REQUEST_COUNT_FLUSH_S: Final = 1.0
 ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
 ROUTER_LATENCY_MS: Final = "ranker_router_latency_ms"  # histogram {cohort, outcome}
+ROUTER_BODY_READ_MS: Final = "ranker_router_body_read_ms"  # histogram: uploads, not judged
 ROUTER_FAILOVERS: Final = "ranker_router_failovers"  # counter {from_cohort, cohort}
 ROUTER_REJECTIONS: Final = "ranker_router_rejections"  # counter {reason}
 ROUTER_IN_FLIGHT: Final = "ranker_router_in_flight"  # gauge, sampled every <= 1 s

@@ -154,7 +154,7 @@ def main() -> int:
                             "num_cpus": 0.1,
                             "target": shadow["ranker-v43"].target(1).model_dump(mode="json"),
                         },
-                        "router": {"probe_interval_s": 1.0},
+                        "router": {"probe_interval_s": 1.0, "reveal_cohort": True},
                     },
                 }
             ],

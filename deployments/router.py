@@ -36,8 +36,8 @@ from app.api import (
     ReplicaView,
     RequestInvalid,
     StatusResponse,
-    read_body,
 )
+from app.body_reads import BodyReads
 from app.coalescing import CohortCoalescer
 from app.contracts import (
     BASIS_POINTS,
@@ -48,6 +48,7 @@ from app.contracts import (
     MAX_FIELD_PATH,
     STABLE,
     AppArgs,
+    Cohort,
     ErrorInfo,
     InstanceReport,
     Role,
@@ -58,7 +59,7 @@ from app.contracts import (
     clip_text,
 )
 from app.errors import ConfigError
-from app.model_family import DEFAULT_FAMILIES, families_for
+from app.model_family import DEFAULT_FAMILIES, ParsedRequest, families_for
 from app.routing import (
     CohortHealth,
     can_fail_over_to,
@@ -111,6 +112,14 @@ class RouterMetrics:
             t.ROUTER_FAILOVERS,
             description="Requests answered by the other cohort than the one bucketed.",
             tag_keys=(t.FROM_COHORT, t.COHORT),
+        )
+        self.body_read = metrics.Histogram(
+            t.ROUTER_BODY_READ_MS,
+            description=(
+                "Time to receive a rank request's body (ms), before its cohort is chosen: "
+                "the client's upload, which no judge check reads."
+            ),
+            boundaries=list(t.LATENCY_BOUNDARIES_MS),
         )
         self.rejections = metrics.Counter(
             t.ROUTER_REJECTIONS,
@@ -265,6 +274,7 @@ class Router:
         self._standby_metrics = StandbyMetrics() if self._standby else None
         self._rng = random.Random()
         self._in_flight = 0
+        self._body_reads = BodyReads()
         self._request_counts: dict[tuple[str, str], int] = {}
         self._metrics = RouterMetrics()
         self._shadow_metrics = ShadowMetrics()
@@ -545,31 +555,45 @@ class Router:
         config = self._config
         if config.draining:
             return self._reject(503, "draining", "the router is draining; retry shortly")
-        if self._in_flight >= config.max_in_flight:
-            return self._reject(503, "overloaded", f"over {config.max_in_flight} requests")
-        self._in_flight += 1
+        # The body first, under bounds of its own (app.body_reads): a slow upload holds no
+        # admission slot, and its time is not the cohort's latency.
+        reading = time.perf_counter()
         try:
-            return await self._rank_admitted(request, config)
-        finally:
-            self._in_flight -= 1
-
-    async def _rank_admitted(self, request: Request, config: RouterConfig) -> Response:
-        started = time.perf_counter()
-        try:
-            raw = await read_body(request.headers.get("content-length"), request.stream())
+            raw = await self._body_reads.read(
+                request.headers.get("content-length"),
+                request.stream(),
+                timeout_s=config.body_timeout_s,
+                max_reads=config.max_body_reads,
+                max_bytes=config.max_body_read_bytes,
+            )
+            self._metrics.body_read.observe((time.perf_counter() - reading) * 1000.0)
             parsed = self._schema.parse(raw)
             forced = parse_forced_cohort(
                 request.headers.get(COHORT_HEADER), allowed=config.allow_cohort_header
             )
         except RequestInvalid as exc:
             response = self._reject(exc.status, exc.category, exc.detail, **exc.extra())
-            if exc.status == 413:
+            if exc.field == "body" and exc.status in (408, 413, 503):
                 # The rest of the body stays unread: the connection cannot carry another
                 # request after this one.
                 response.headers["Connection"] = "close"
             return response
         except ValueError as exc:
             return self._reject(422, "invalid_request", str(exc), field=COHORT_HEADER)
+        if self._in_flight >= config.max_in_flight:
+            return self._reject(503, "overloaded", f"over {config.max_in_flight} requests")
+        self._in_flight += 1
+        try:
+            return await self._rank_admitted(parsed, forced, config)
+        finally:
+            self._in_flight -= 1
+
+    async def _rank_admitted(
+        self, parsed: ParsedRequest, forced: Cohort | None, config: RouterConfig
+    ) -> Response:
+        # The judged latency (ROUTER_LATENCY_MS, by cohort) starts here: the request read
+        # and parsed, its cohort about to be chosen.
+        started = time.perf_counter()
         wire = parsed.wire
         key = request_key(parsed.user_id, parsed.session_id)
         decision = decide_route(
@@ -630,7 +654,6 @@ class Router:
             "model": {
                 "artifact_id": meta.artifact_id,
                 "revision": meta.revision,
-                "cohort": meta.cohort,
                 "runtime_build": meta.runtime_build,
                 "replica": meta.replica,
                 "backbone_artifact_id": meta.backbone,
@@ -640,8 +663,10 @@ class Router:
         headers = {
             "X-Model-Artifact": meta.artifact_id,
             "X-Model-Revision": str(meta.revision),
-            "X-Model-Cohort": meta.cohort,
         }
+        if config.reveal_cohort:
+            payload["model"]["cohort"] = meta.cohort  # type: ignore[index]
+            headers["X-Model-Cohort"] = meta.cohort
         if meta.backbone is not None:
             headers["X-Model-Backbone"] = meta.backbone
         response = _json(200, payload, headers)

@@ -77,6 +77,9 @@ class LocalStack:
             app_args: dict[str, Any] = {
                 "stable": {"num_replicas": 1, "target": stable.target().model_dump(mode="json")},
                 "canary": {"num_replicas": 1},
+                # A local cluster answers only its own clients: the demo shows which cohort
+                # answered each request (production answers leave it out, RouterConfig).
+                "router": {"reveal_cohort": True},
                 "cache_dir": str(workdir / "cache"),
                 "controller": {"name": CONTROLLER_NAME, "namespace": CONTROLLER_NAMESPACE},
                 "report_interval_s": 1.0,

@@ -83,6 +83,7 @@ BASELINE_ROUTER = {
     "canary_bp": 0,
     "draining": False,
     "allow_cohort_header": True,
+    "reveal_cohort": True,  # the scenarios check which cohort answered
     "failover": True,
     "shadow": {},  # no mirroring
 }
@@ -340,6 +341,7 @@ def app_args(work: Path, demo: dict[str, PackResult]) -> dict[str, Any]:
         "router": {
             "canary_bp": 0,
             "allow_cohort_header": True,
+            "reveal_cohort": True,
             "probe_interval_s": 0.5,
             "request_timeout_s": 5.0,
         },
@@ -524,7 +526,7 @@ def rollout_application(
                 "target": stable.target().model_dump(mode="json"),
             },
             "canary": {"num_replicas": 1, "num_cpus": 0.1},
-            "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},
+            "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0, "reveal_cohort": True},
             "router_num_cpus": 0.1,
             "cache_dir": str(cluster.work / f"{app.name}-cache"),
             "retry": {"initial_s": 0.05, "cap_s": 0.2, "max_attempts": 2},

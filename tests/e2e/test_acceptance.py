@@ -21,7 +21,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from app.contracts import InstanceReport
+from app.contracts import InstanceReport, RouterConfig
 from app.errors import NotFound
 from app.polling import wait_until
 from app.registry import Registry, open_registry
@@ -37,6 +37,7 @@ from tests.e2e.harness import (
     rank_body,
     register,
 )
+from tests.e2e.slow_uploads import SlowUploads, canary_users
 
 pytestmark = [pytest.mark.e2e, pytest.mark.acceptance]
 
@@ -247,8 +248,23 @@ def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
     s = scenario
     twin = _twin_of_baseline(tmp_path)
     s.given.stable_on(BASELINE).candidate(twin).steady_traffic(rate=50)
-    s.when.start_rollout(twin.artifact_id, SEQUENTIAL).wait_for_finish(timeout=300)
+    # Slow uploads aimed at the canary: one a second, its body 3.5 s on the way, from users
+    # in the canary from the first step (20%) on. At 10 canary answers a second, one such in
+    # each 3 s window is its p99 and over the 3000 ms ceiling, were the upload counted as
+    # the canary's latency (it was: an audit got good candidates rolled back this way).
+    salt = (s.env.control.current_user_config(ROLLOUT_APP, "router") or {}).get(
+        "salt", RouterConfig().salt
+    )
+    uploads = SlowUploads(s.env.url, canary_users(salt, 2000, 20), pause_s=3.5, every_s=1.0).start()
+    try:
+        s.when.start_rollout(twin.artifact_id, SEQUENTIAL).wait_for_finish(timeout=300)
+    finally:
+        slow = uploads.stop()
     s.then.expect_phase("succeeded").expect_stable_target(twin.artifact_id)
+    s.check(all(u.status == 200 for u in slow), f"slow uploads refused: {slow}")
+    to_canary = [u for u in slow if u.cohort == "canary" and u.seconds >= 3.5]
+    s.check(len(to_canary) >= 10, f"too few slow uploads reached the canary: {slow}")
+    s.note(f"{len(to_canary)} slow uploads answered by the canary during the rollout")
     record = s.rollout_record()
     assert record is not None
     passes = [v for v in record.verdicts if v["outcome"] == "pass"]

@@ -140,7 +140,11 @@ def mn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeEnv]:
                             "target": stable.target().model_dump(mode="json"),
                         },
                         "canary": {"num_replicas": 2, "num_cpus": 0.2},
-                        "router": {"probe_interval_s": 0.5, "request_timeout_s": 10.0},
+                        "router": {
+                            "probe_interval_s": 0.5,
+                            "request_timeout_s": 10.0,
+                            "reveal_cohort": True,
+                        },
                         "router_replicas": 2,
                         "router_num_cpus": 0.2,
                         # Each node's own cache (RANKER_CACHE_DIR) wins over this one.

@@ -63,6 +63,7 @@ STANDBY: dict[str, Any] = {
 }
 ROUTER: dict[str, Any] = {
     "canary_bp": 0,
+    "reveal_cohort": True,
     "probe_interval_s": 0.5,
     "request_timeout_s": 2.0,
     "standby": STANDBY,
