@@ -342,6 +342,20 @@ def _signature_file_name(value: str) -> str:
     return value
 
 
+_CONTROL_CHARACTERS: Final = frozenset(map(chr, [*range(0x20), 0x7F]))
+
+
+def _certificate_identity(value: str) -> str:
+    # Compared exactly with what a certificate names: a space or control character at either
+    # end would never match, and a control character has no place in a name or message.
+    if value != value.strip() or _CONTROL_CHARACTERS.intersection(value):
+        raise ValueError(
+            "a certificate identity is an e-mail, URI or DNS name, or an RFC 4514 subject "
+            "(CN=...,O=...), without surrounding spaces or control characters"
+        )
+    return value
+
+
 class KeylessSigner(Contract):
     """A Sigstore keyless signer: the identity its short-lived certificate names (an e-mail,
     or a CI workflow's URI) and the OIDC issuer that vouched for it."""
@@ -364,6 +378,9 @@ class SignatureTrust(Contract):
       model signature made with its private key (key mode).
     - ``certificate_chains``: PEM files of CA certificates; an OpenSSF signature whose signing
       certificate chains to them (certificate mode) is accepted.
+    - ``certificate_identities``: when any, the signing certificate of certificate mode must
+      name one: an e-mail, URI or DNS name among its SANs, or its subject in RFC 4514 form
+      (``CN=release,O=Example``), compared exactly (app.openssf_signing).
     - ``keyless``: Sigstore identities whose keyless OpenSSF signatures are accepted, checked
       against ``sigstore_trust_config`` (a Sigstore ClientTrustConfig JSON file: offline), or
       without one against Sigstore's public-good instance (its trust root fetched online).
@@ -372,6 +389,16 @@ class SignatureTrust(Contract):
 
     keys: Annotated[list[PathText], Field(max_length=MAX_TRUST_ANCHORS)] = []
     certificate_chains: Annotated[list[PathText], Field(max_length=MAX_TRUST_ANCHORS)] = []
+    certificate_identities: Annotated[
+        list[
+            Annotated[
+                str,
+                StringConstraints(min_length=1, max_length=1000),
+                AfterValidator(_certificate_identity),
+            ]
+        ],
+        Field(max_length=MAX_TRUST_ANCHORS),
+    ] = []
     keyless: Annotated[list[KeylessSigner], Field(max_length=MAX_TRUST_ANCHORS)] = []
     sigstore_trust_config: PathText | None = None
     signature_file: Annotated[
@@ -379,6 +406,15 @@ class SignatureTrust(Contract):
         StringConstraints(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$"),
         AfterValidator(_signature_file_name),
     ] = "model.sig"
+
+    @model_validator(mode="after")
+    def _identities_have_chains(self) -> Self:
+        if self.certificate_identities and not self.certificate_chains:
+            raise ValueError(
+                "certificate_identities name the signer of certificate_chains: "
+                "set certificate_chains too"
+            )
+        return self
 
     @property
     def has_anchors(self) -> bool:

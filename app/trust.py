@@ -32,6 +32,7 @@ from app.errors import ArtifactRejected, ConfigError
 from app.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
 from app.openssf_signing import (
     MAX_OPENSSF_SIGNATURE_BYTES,
+    CertificateIdentity,
     DirectoryDigests,
     OpenSSFVerifier,
 )
@@ -87,7 +88,16 @@ class TrustPolicy:
                         path, "certificate chain", MAX_TRUST_FILE_BYTES
                     ),
                 )
-            self._openssf.append(_named(where, lambda: OpenSSFVerifier.for_certificates(chain)))
+            identities = trust.certificate_identities
+            for i, identity in enumerate(identities):
+                # Each parsed once here under its own name; the verifier parses them again.
+                _named(
+                    f"{field}.certificate_identities[{i}]",
+                    lambda identity=identity: CertificateIdentity.parse(identity),
+                )
+            self._openssf.append(
+                _named(where, lambda: OpenSSFVerifier.for_certificates(chain, identities))
+            )
         trust_config = Path(trust.sigstore_trust_config) if trust.sigstore_trust_config else None
         if trust_config is not None:
             # Parsed here once under its own name; the library reads it again per identity.
