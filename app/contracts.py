@@ -783,6 +783,9 @@ class InstanceReport(Contract):
     actual_artifact: Name | None = None
     # The backbone artifact the serving head runs on (None: a whole model, or nothing).
     actual_backbone: Name | None = None
+    # SHA-256 of the trust anchors in force (app.trust.anchors_digest; None: none): replicas
+    # that disagree trust different keys (a ConfigMap update not seen by all yet).
+    trust_anchors: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
     runtime_build: Annotated[str, StringConstraints(max_length=200)] | None = None
     # The latest of the last load failure and the last refused (or partly ignored) config.
     last_error: ErrorInfo | None = None
@@ -1058,6 +1061,7 @@ class ReplicaRow(Contract):
     age_s: float
     progress: LoadProgress | None = None
     backbone: Name | None = None  # the backbone the serving head runs on
+    trust_anchors: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class CohortWindowView(Contract):

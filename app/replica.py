@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,7 +65,7 @@ from app.contracts import (
     WireRequest,
     clip_text,
 )
-from app.errors import ConfigError
+from app.errors import ArtifactRejected, ConfigError
 from app.faults import (
     FAULT_INJECTION_ALLOWED,
     FAULT_INJECTION_ENV,
@@ -89,9 +90,13 @@ from app.reconciler import (
 from app.reporting import NullObserver, ReplicaObserver, Reporter, SinkFactory
 from app.safe_text import redact_in
 from app.signing import load_trusted_key
-from app.trust import TrustPolicy
+from app.trust import TrustPolicy, anchors_digest
 
 log = logging.getLogger(__name__)
+
+# The cache's directory and budget, the trust settings, the fetch settings, and the digest of
+# the anchor files' content (None: no anchors).
+CacheKey = tuple[str, int | None, str | None, SignatureTrust, FetchConfig, str | None]
 
 
 class ReplicaNotReady(RuntimeError):
@@ -135,9 +140,11 @@ class RankerReplica:
         self._device = device or default_device()
         self._config: ReplicaConfig | None = None
         self._cache: ArtifactCache | None = None
-        self._cache_key: tuple[str, int | None, str | None, SignatureTrust, FetchConfig] | None = (
-            None
-        )
+        self._cache_key: CacheKey | None = None
+        # The trust anchors changed in place and could not be read: every load is refused
+        # until they can (set and cleared by _refresh_trust).
+        self._trust_error: ErrorInfo | None = None
+        self._trust_lock = threading.Lock()
         # The holder's cleanup is the loader's, which knows each generation's cache lease.
         self._holder = GenerationHolder(
             cleanup=lambda generation: self._loader.clean_up(generation)
@@ -222,23 +229,23 @@ class RankerReplica:
         return self._config is not None
 
     @staticmethod
-    def _cache_key_of(
-        cfg: ReplicaConfig,
-    ) -> tuple[str, int | None, str | None, SignatureTrust, FetchConfig]:
+    def _cache_key_of(cfg: ReplicaConfig) -> CacheKey:
+        """What the cache and its trust policy are built from: the config's fields, and the
+        content of the anchor files it names (read now: a key replaced in place is a new
+        policy; ConfigError naming the field when one cannot be read)."""
         return (
             node_cache_dir(cfg.cache_dir),
             cfg.cache_byte_budget,
             cfg.trust_key,
             cfg.trust,
             cfg.loading.fetch,
+            anchors_digest(cfg.signature_trust, field="user_config.trust"),
         )
 
     def _cache_for(self, cfg: ReplicaConfig) -> ArtifactCache:
         """The cache ``cfg`` names, opened now so that a directory that is not a cache or a
         trust anchor that cannot be read refuses the config (ConfigError naming the field)
         instead of failing the next load."""
-        if self._cache is not None and self._cache_key == self._cache_key_of(cfg):
-            return self._cache
         if cfg.trust_key is not None:
             # The shorthand is named as such when its key cannot be used.
             try:
@@ -247,6 +254,8 @@ class RankerReplica:
                 raise ConfigError(
                     f"user_config.trust_key: {exc}", field="user_config.trust_key"
                 ) from exc
+        if self._cache is not None and self._cache_key == self._cache_key_of(cfg):
+            return self._cache
         trust = TrustPolicy.of(cfg.signature_trust, field="user_config.trust")
         try:
             return ArtifactCache(
@@ -266,10 +275,50 @@ class RankerReplica:
             raise ConfigError(f"{where}: {exc}", field="user_config.cache_dir") from exc
 
     def _get_cache(self) -> ArtifactCache:
-        cache = self._cache
-        if cache is None:  # not reached: a config is applied only with its cache
+        """The cache of every load, its trust policy as the anchor files say now."""
+        if self._cache is None:  # not reached: a config is applied only with its cache
             raise ReplicaNotReady("replica has no user_config yet")
+        self._refresh_trust()
+        if self._trust_error is not None:
+            raise ArtifactRejected("signature", self._trust_error.message)
+        cache = self._cache
+        assert cache is not None
         return cache
+
+    def _refresh_trust(self) -> None:
+        """Build the cache's trust policy again when the anchor files changed in place since
+        it was built (a mounted ConfigMap updated, a key replaced to revoke the old one),
+        checked before every load and with every report. Anchors that cannot be read now
+        refuse every load (``_trust_error``) until they can: a key removed to revoke it must
+        not stay trusted. The model serving stays."""
+        with self._trust_lock:
+            cfg, key = self._config, self._cache_key
+            if cfg is None or key is None or key[-1] is None:
+                return  # nothing applied yet, or no anchors: nothing to re-read
+            try:
+                now = self._cache_key_of(cfg)
+                if now != key:
+                    self._cache = self._cache_for(cfg)
+                    self._cache_key = now
+                    log.warning(
+                        "%s: trust anchors changed in place (%s -> %s): policy built again",
+                        self.replica_id, key[-1][:16], (now[-1] or "")[:16],
+                    )  # fmt: skip
+                    self._reporter.poke()
+            except ConfigError as exc:
+                if self._trust_error is None:
+                    log.error("%s: trust anchors unreadable: %s", self.replica_id, exc)
+                    self._reporter.poke()
+                self._trust_error = clipped_error(
+                    "signature",
+                    f"the trust anchors cannot be read now ({exc}); no artifact is trusted "
+                    "until they can (the model serving stays)",
+                    field="user_config.trust",
+                )
+                return
+            if self._trust_error is not None:
+                self._trust_error = None
+                self._reporter.poke()
 
     def reconfigure(self, raw: Mapping[str, Any] | ReplicaConfig) -> bool:
         """Apply a user_config; returns False when it was not applied: equal to the current
@@ -417,6 +466,7 @@ class RankerReplica:
     # ------------------------------------------------------------------ reports
 
     def report(self) -> InstanceReport:
+        self._refresh_trust()
         snap = self._reconciler.snapshot()
         cfg = self._config
         current = self._holder.current
@@ -431,6 +481,7 @@ class RankerReplica:
             actual_revision=current.revision if current else None,
             actual_artifact=current.artifact_id if current else None,
             actual_backbone=_backbone_of(model),
+            trust_anchors=self._cache_key[-1] if self._cache_key is not None else None,
             runtime_build=getattr(model, "runtime_build", None),
             last_error=self._latest_error(snap.last_error),
             discarded_revisions=snap.discarded[-MAX_REPORTED_REVISIONS:],
@@ -458,7 +509,10 @@ class RankerReplica:
         )
 
     def _latest_error(self, load_error: ErrorInfo | None) -> ErrorInfo | None:
-        """The newer of the last load failure and the current config's problem."""
+        """Anchors that cannot be read (every load refused), else the newer of the last load
+        failure and the current config's problem."""
+        if self._trust_error is not None:
+            return self._trust_error
         config_error = self._config_error
         newer = self._config_error_seq > self._load_error_seq
         if config_error is not None and (load_error is None or newer):

@@ -54,6 +54,28 @@ _CLI_NAMES: Final = {
 }
 
 
+def anchors_digest(trust: SignatureTrust, *, field: str = "trust") -> str | None:
+    """The SHA-256 (hex) of what ``trust`` trusts, read now: its settings and the bytes of
+    every anchor file it names; None when it names no anchor. A key or CA chain replaced in
+    place (a ConfigMap update, a revocation by a new file) changes it while the paths stay
+    the same, so a replica compares it to know when to build its policy again, and reports
+    it so that replicas which disagree show. ConfigError names the field of a file that
+    cannot be read."""
+    if not trust.has_anchors:
+        return None
+    digest = hashlib.sha256(trust.model_dump_json().encode())
+    named = [(f"{field}.keys[{i}]", path) for i, path in enumerate(trust.keys)]
+    named += [(f"{field}.certificate_chains", path) for path in trust.certificate_chains]
+    if trust.sigstore_trust_config:
+        named.append((f"{field}.sigstore_trust_config", trust.sigstore_trust_config))
+    for where, path in named:
+        data = _named(where, lambda path=path: read_key_file(Path(path), "trust anchor",
+                                                            MAX_TRUST_FILE_BYTES))  # fmt: skip
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class _ProjectKey:
     path: Path

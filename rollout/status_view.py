@@ -133,6 +133,7 @@ def replica_rows(reports: Mapping[str, InstanceReport], now: float) -> tuple[Rep
             age_s=round(now - r.heartbeat, 1),
             progress=r.progress,
             backbone=r.actual_backbone,
+            trust_anchors=r.trust_anchors,
         )
         for replica_id, r in reports.items()
     )
@@ -245,6 +246,22 @@ def standby_lines(standby: StandbyView) -> list[str]:
     return lines
 
 
+def trust_disagreement(rows: Sequence[ReplicaRow]) -> list[str]:
+    """A warning when replicas trust different anchors (``trust_anchors``, the digest of the
+    key files' content): a key replaced in place (a ConfigMap update, a revocation) not yet
+    seen by all of them, or nodes whose files differ. One line per set of anchors."""
+    by_digest: dict[str | None, list[str]] = {}
+    for row in rows:
+        by_digest.setdefault(row.trust_anchors, []).append(row.replica)
+    if len(by_digest) < 2:
+        return []
+    lines = ["WARNING replicas trust different signing anchors:"]
+    for digest, replicas in sorted(by_digest.items(), key=lambda item: str(item[0])):
+        name = f"anchors {digest[:12]}" if digest is not None else "no anchors"
+        lines.append(f"  {name}: {', '.join(sorted(replicas))}")
+    return lines
+
+
 def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
     """The human view of ``rollout status`` (and of a command's answer: a summary alone).
 
@@ -314,6 +331,7 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                 for r in status.replicas
             ]
             lines.extend(_table(headers, rows))
+            lines.extend(trust_disagreement(status.replicas))
         if status.standby is not None:
             lines.extend(standby_lines(status.standby))
         if status.reports_refused:
