@@ -8,9 +8,9 @@ was read is the cache's job (app/cache.py).
 What a failure is, whatever the store:
 
 - a URI this service does not read from: a scheme outside the allowlist
-  (``FetchConfig.schemes``), a chained fsspec URL (``a::b``), a redirect to another scheme:
-  ``ArtifactRejected("path")``. It names a location, not bytes, and another attempt reads the
-  same location: final, like any other unsafe path of an artifact;
+  (``FetchConfig.schemes``), a chained fsspec URL (``a::b``), a redirect to another origin
+  (scheme, host or port): ``ArtifactRejected("path")``. It names a location, not bytes, and
+  another attempt reads the same location: final, like any other unsafe path of an artifact;
 - a file that is not there (404, ENOENT): ``ArtifactRejected("missing")``;
 - a store that cannot be read now (connection refused, DNS, a connect or read timeout, a 5xx):
   ``FetchFailed`` (category ``fetch``; retried);
@@ -18,6 +18,9 @@ What a failure is, whatever the store:
 
 HTTP(S) is bounded by a connect timeout and a per-read timeout, never a total: a large artifact
 streams for as long as bytes keep coming, and a stalled server fails within the read timeout.
+A listed file's URL is the manifest's directory plus the file's path with each segment quoted
+whole, so a name can never become a query, a fragment or an escape that climbs; a redirect is
+followed only within the origin the URI names.
 Every message shows URIs redacted (``app.safe_text``) and is clipped (``clip_text``), and no
 foreign exception is chained into one (their texts carry the raw URI).
 """
@@ -40,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Final
+from urllib.parse import quote
 
 import aiohttp
 import fsspec
@@ -96,17 +100,35 @@ def check_uri_allowed(uri: str, schemes: tuple[str, ...]) -> str:
 class _RedirectRefused(Exception):
     """Raised inside aiohttp's redirect handling; translated into a ``path`` rejection."""
 
-    def __init__(self, origin: str, target: str) -> None:
+    def __init__(self, origin: str, target: str, change: str) -> None:
         super().__init__("redirect refused")
         self.origin = origin
         self.target = target
+        self.change = change  # "the scheme (http -> https)", "the host and port (a -> b)"
 
 
-async def _refuse_scheme_change(
+def _host_port(url: yarl.URL) -> str:
+    host = url.host or ""
+    return f"[{host}]:{url.port}" if ":" in host else f"{host}:{url.port}"
+
+
+def _origin_change(origin: yarl.URL, target: yarl.URL) -> str | None:
+    """What a redirect from ``origin`` to ``target`` changes of the origin, as a phrase; None
+    when it stays within it (the port as used: ``http://h`` and ``http://h:80`` are one)."""
+    if target.scheme.lower() != origin.scheme.lower():
+        return f"the scheme ({uri_scheme(str(origin))} -> {uri_scheme(str(target))})"
+    if (target.host or "").lower() != (origin.host or "").lower() or target.port != origin.port:
+        return f"the host and port ({_host_port(origin)} -> {_host_port(target)})"
+    return None
+
+
+async def _refuse_origin_change(
     _session: aiohttp.ClientSession, _context: Any, params: aiohttp.TraceRequestRedirectParams
 ) -> None:
-    # Called for every redirect before aiohttp follows it: https -> http would drop TLS, and
-    # aiohttp follows that; any other scheme is not a store this source was opened for.
+    # Called for every redirect before aiohttp follows it, so every hop stays within the
+    # origin the operator named: https -> http would drop TLS; another scheme is not a store
+    # this source was opened for; another host or port is one the store chose, not the
+    # operator, and the request would carry the URI's credentials there.
     location = params.response.headers.get("Location") or params.response.headers.get("URI")
     if location is None:
         return
@@ -114,13 +136,14 @@ async def _refuse_scheme_change(
         target = params.url.join(yarl.URL(location))
     except ValueError:
         return  # aiohttp refuses it itself (InvalidUrlRedirectClientError)
-    if target.scheme.lower() != params.url.scheme.lower():
-        raise _RedirectRefused(str(params.url), str(target))
+    change = _origin_change(params.url, target)
+    if change is not None:
+        raise _RedirectRefused(str(params.url), str(target), change)
 
 
 def _redirect_guard() -> aiohttp.TraceConfig:
     trace = aiohttp.TraceConfig()
-    trace.on_request_redirect.append(_refuse_scheme_change)
+    trace.on_request_redirect.append(_refuse_origin_change)
     trace.freeze()
     return trace
 
@@ -207,8 +230,7 @@ def _translate(
             "path",
             clip_text(
                 f"{what}: redirect from {shown_uri(exc.origin)} to {shown_uri(exc.target)} "
-                f"changes the scheme ({uri_scheme(exc.origin)} -> {uri_scheme(exc.target)}); "
-                "not followed"
+                f"changes {exc.change}; not followed (redirects stay within the origin)"
             ),
         )
     if isinstance(exc, aiohttp.InvalidURL):  # a redirect's Location included
@@ -523,6 +545,11 @@ class ArtifactSource:
         self.is_local = isinstance(fs, LocalFileSystem)
 
     def _join(self, rel: str) -> str:
+        if self.is_http:
+            # Each segment quoted whole (safe=""): a '?', '#' or '%' of a name stays part of
+            # the name, never a query, a fragment or an escape the URL parser would decode
+            # ('%2e%2e' normalised like '..'). Manifests refuse those names anyway.
+            rel = "/".join(quote(segment, safe="") for segment in rel.split("/"))
         return f"{self.base}/{rel}" if self.base else rel
 
     def _where(self, rel: str | None) -> str:

@@ -5,8 +5,10 @@ Layout under ``root``::
     .ray-rollout-cache             marks the directory as a cache (format version); a cache
                                    opens, and so sweeps, nothing else (claim_cache_root)
     artifacts/<manifest_sha256>/   published entries: manifest.json, files, .complete.json
-    tmp/<prefix>.<random>/         downloads in progress (flock held on the directory)
+    tmp/<prefix>.<bytes>_<random>/ downloads in progress (flock held on the directory; the
+                                   bytes it reserves against the budget in its name)
     locks/<manifest_sha256>.lock   one fetcher per digest at a time (flock, exclusive)
+    locks/budget.lock              making room and reserving it, one fetcher at a time
     leases/<manifest_sha256>.lease pins an entry against eviction (flock, shared)
 
 A fetch streams every file into a private temp directory while hashing it, compares size and
@@ -22,7 +24,14 @@ that nothing swapped in after publication can block a reader or redirect it
 ``manifest.json.sig``, an OpenSSF ``model.sig``) for consumers that trust them; when those fail
 and the source's current ones verify (a key rotated, an artifact signed after it was cached),
 the entry takes the new ones, each replaced in one rename: the only change ever made to a
-published entry.
+published entry. A hit that cannot be read now (an OSError other than a piece of the entry
+missing: EIO, EMFILE, ESTALE...) says nothing about the bytes: it is tried again
+(``HIT_READ_ATTEMPTS``), then fails as ``FetchFailed``, and the entry stays for every replica
+that holds a lease on it. Only bytes that do not match, or a piece missing, set an entry aside.
+
+The byte budget (``byte_budget``) is kept by evicting least recently used entries before each
+download, counting the downloads in progress; entries in use are never evicted, so it may be
+exceeded by what is in use: app.cache_budget says exactly by how much.
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ from pathlib import Path
 from typing import Final, Literal, Protocol
 
 from app.artifact_store import ArtifactSource, check_source_uri
+from app.cache_budget import budget_lock, reservation_prefix, reserved_bytes
 from app.contracts import FetchConfig, SignatureTrust
-from app.errors import ArtifactRejected, ConfigError
+from app.errors import ArtifactRejected, ConfigError, FetchFailed
 from app.load_control import LoadControl, advance, begin, checkpoint
 from app.manifest import (
     COMPLETE_MARKER_NAME,
@@ -77,6 +87,14 @@ CACHE_FORMAT_VERSION: Final = 1
 # Lock and lease files, directories: opened without following a symlink planted in their place.
 _LOCK_FILE_FLAGS: Final = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# How often a hit is read before an OSError that says nothing about the entry fails it, and
+# the pause before the first retry (doubled after each): local-disk hiccups (EINTR, EAGAIN,
+# a descriptor limit reached for a moment, an NFS ESTALE) pass within this.
+HIT_READ_ATTEMPTS: Final = 3
+HIT_RETRY_PAUSE_S: Final = 0.05
+# OSErrors of a hit that say a piece of the published entry is missing or was replaced: the
+# entry is broken for every reader and is set aside. Every other one is about this read.
+_ENTRY_DAMAGED_ERRNOS: Final = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 
 class FetchSink(Protocol):
@@ -524,6 +542,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _HitUnreadable(Exception):
+    """An OSError of a cache hit that is about reading now, not about the entry."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(cause)
+        self.reason = os.strerror(cause.errno) if cause.errno else type(cause).__name__
+
+
 def _try_flock(fd: int, kind: int) -> bool:
     try:
         fcntl.flock(fd, kind | fcntl.LOCK_NB)
@@ -638,14 +664,22 @@ class ArtifactCache:
         return sum(size for _, size, _ in self.entries())
 
     def evict(self, reserve: int = 0) -> list[str]:
-        """Remove least recently used entries until ``reserve`` more bytes fit the budget.
+        """Remove least recently used entries until ``reserve`` more bytes fit the budget
+        beside the published entries and the downloads in progress (their reservations).
 
-        An entry under a lease, or being fetched, is never removed.
+        An entry under a lease, or being fetched, is never removed: when those leave no room,
+        every other entry goes and the budget is exceeded by at most their bytes plus the
+        reservations (app.cache_budget).
         """
         if self.byte_budget is None:
             return []
+        with budget_lock(self.locks_dir):
+            return self._evict_locked(reserve)
+
+    def _evict_locked(self, reserve: int) -> list[str]:
+        assert self.byte_budget is not None
         entries = self.entries()
-        total = sum(size for _, size, _ in entries)
+        total = sum(size for _, size, _ in entries) + reserved_bytes(self.tmp_dir)
         evicted: list[str] = []
         for digest, size, _ in entries:
             if total + reserve <= self.byte_budget:
@@ -718,10 +752,37 @@ class ArtifactCache:
         holding_lock: bool = False,
     ) -> VerifiedArtifact | None:
         """The published entry for ``digest``, re-checked; None when absent or corrupt (a
-        corrupt one is set aside, under the digest lock: ``holding_lock`` says the caller holds
-        it already, a second flock of it from this process would wait for itself). With a
-        trust key its signature is checked on every hit: an entry may have been published by a
-        process without one."""
+        corrupt one is set aside when ``holding_lock``: the caller holds the digest lock). With
+        a trust key its signature is checked on every hit: an entry may have been published by
+        a process without one.
+
+        An OSError that says nothing about the entry's bytes is no reason to set it aside
+        (another replica may hold a lease on it and read it later): the hit is tried
+        ``HIT_READ_ATTEMPTS`` times, then fails as ``FetchFailed`` (retried by loaders), the
+        entry kept."""
+        pause = HIT_RETRY_PAUSE_S
+        for attempt in range(1, HIT_READ_ATTEMPTS + 1):
+            try:
+                return self._check_entry(digest, recheck, control, manifest_uri, holding_lock)
+            except _HitUnreadable as exc:
+                if attempt == HIT_READ_ATTEMPTS:
+                    raise FetchFailed(
+                        f"cached entry {digest[:12]} cannot be read ({exc.reason}; tried "
+                        f"{attempt} times); kept: nothing says its bytes are wrong"
+                    ) from exc.__cause__
+                time.sleep(pause)
+                pause *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_entry(
+        self,
+        digest: str,
+        recheck: str,
+        control: LoadControl | None,
+        manifest_uri: str | None,
+        holding_lock: bool,
+    ) -> VerifiedArtifact | None:
+        """One try of ``_open_entry``; ``_HitUnreadable`` for an OSError not about the bytes."""
         entry = self.artifacts_dir / digest
         if not os.path.lexists(entry):
             return None
@@ -743,12 +804,14 @@ class ArtifactCache:
                     manifest.files, lambda item: self._rehash(entry / item.path, item, control)
                 )
             stored_signatures = self._stored_signatures(entry, manifest)
-        except (OSError, ArtifactRejected):
+        except (OSError, ArtifactRejected) as exc:
+            if isinstance(exc, OSError) and exc.errno not in _ENTRY_DAMAGED_ERRNOS:
+                raise _HitUnreadable(exc) from exc
+            # Damaged: set aside, but only by a check made under the digest lock. Without it
+            # the entry may since have been replaced by a good one another fetcher published;
+            # fetch_verified checks again under the lock.
             if holding_lock:
                 self._set_aside(entry, "corrupt")
-            else:
-                with self._digest_lock(digest):
-                    self._set_aside(entry, "corrupt")
             return None
         signature = None
         if self._trust is not None:
@@ -756,7 +819,10 @@ class ArtifactCache:
             signature = self._check_signatures_of_hit(
                 entry, manifest, manifest_bytes, stored_signatures, manifest_uri
             )
-        os.utime(entry / COMPLETE_MARKER_NAME)  # last use, for LRU eviction
+        # Last use, for LRU eviction; best effort: a hit is served all the same (the entry
+        # only looks older to eviction).
+        with contextlib.suppress(OSError):
+            os.utime(entry / COMPLETE_MARKER_NAME)
         return VerifiedArtifact(
             entry,
             manifest,
@@ -928,12 +994,8 @@ class ArtifactCache:
         except ArtifactRejected as exc:
             exc.artifact_id = manifest.artifact_id
             raise
-        self.evict(reserve=manifest.total_bytes)
-
+        tmp, tmp_fd = self._reserve(digest, manifest.total_bytes)
         begin(control, "fetch", manifest.total_bytes)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{digest[:16]}.", dir=self.tmp_dir))
-        tmp_fd = os.open(tmp, _DIRECTORY_FLAGS)
-        fcntl.flock(tmp_fd, fcntl.LOCK_EX)  # "in progress": sweep leaves it alone
         try:
             self._run_parallel(
                 manifest.files,
@@ -990,6 +1052,19 @@ class ArtifactCache:
             timings={"fetch_s": fetched - started, "publish_s": done - fetched},
             signature=signature,
         )
+
+    def _reserve(self, digest: str, size: int) -> tuple[Path, int]:
+        """Make room for ``size`` bytes and create the download's temp directory, flocked
+        ("in progress": sweep leaves it alone), its name reserving ``size`` bytes; under the
+        budget lock, so that concurrent fetchers count each other's reservations."""
+        with contextlib.ExitStack() as stack:
+            if self.byte_budget is not None:
+                stack.enter_context(budget_lock(self.locks_dir))
+                self._evict_locked(size)
+            tmp = Path(tempfile.mkdtemp(prefix=reservation_prefix(digest, size), dir=self.tmp_dir))
+            tmp_fd = os.open(tmp, _DIRECTORY_FLAGS)
+            fcntl.flock(tmp_fd, fcntl.LOCK_EX)
+        return tmp, tmp_fd
 
     @staticmethod
     def _run_parallel(items: list[FileEntry], work: object) -> None:

@@ -256,7 +256,8 @@ class FetchConfig(Contract):
     """How artifact stores are read (app.artifact_store).
 
     ``schemes``: the URI schemes a ``manifest_uri`` may use (a plain path counts as ``file``);
-    any other is refused before anything is opened, and a redirect may not change the scheme.
+    any other is refused before anything is opened, and a redirect is followed only within
+    the origin the URI names (same scheme, host and port).
     The timeouts bound a stall, not a download: connecting, and each wait for more bytes. A
     large artifact streams for as long as bytes keep coming.
 

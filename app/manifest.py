@@ -190,6 +190,7 @@ class Manifest(BaseModel):
 # and other invisible format characters (Cf: they make two names look alike or reorder what a
 # reviewer reads), line and paragraph separators, and lone surrogates (not text).
 _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+_URL_SYNTAX: Final = frozenset("%?#")
 _RESERVED_KEYS: Final = frozenset(
     unicodedata.normalize("NFC", n).casefold() for n in RESERVED_NAMES
 )
@@ -227,6 +228,16 @@ def check_relative_path(path: str) -> str:
             )
     if "\\" in path:
         raise ArtifactRejected("path", f"backslash in file path {path!r}")
+    # URL syntax in a name: over HTTP a '%' escape would be decoded ('%2e%2e' climbs like
+    # '..'), '?' and '#' would end the path; object-store drivers read '?versionId=' and
+    # '#generation' as selectors. The URL quotes each segment too; a name never needs them.
+    url_syntax = sorted(set(path) & _URL_SYNTAX)
+    if url_syntax:
+        raise ArtifactRejected(
+            "path",
+            f"file path {path!r} holds {', '.join(repr(c) for c in url_syntax)}: percent-escapes, "
+            "'?' and '#' are URL syntax and not allowed in a name",
+        )
     if path.startswith("/") or (len(path) > 1 and path[1] == ":"):
         raise ArtifactRejected("path", f"absolute file path {path!r}")
     parts = path.split("/")

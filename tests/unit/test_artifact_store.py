@@ -2,9 +2,11 @@
 
 What each failure is: a store out of reach (connection refused, DNS, a stall, a 5xx, a missing
 fsspec driver) is ``FetchFailed`` (category ``fetch``, retried); a URI this service does not
-read from (a scheme outside the allowlist, a redirect to another scheme) is a ``path``
-rejection; a file that is not there is ``missing``. No message shows a URI's credentials, and a
-FIFO or device swapped in for a listed file is refused instead of blocking the loader.
+read from (a scheme outside the allowlist, a redirect to another scheme, host or port, a
+manifest file path that would be URL syntax: a percent-escape, a query, a fragment) is a
+``path`` rejection; a file that is not there is ``missing``. No message shows a URI's
+credentials, and a FIFO or device swapped in for a listed file is refused instead of blocking
+the loader.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from app.artifact_store import ArtifactSource
 from app.cache import ArtifactCache
 from app.contracts import FetchConfig
 from app.errors import ArtifactRejected, ConfigError, FetchFailed
-from app.manifest import MANIFEST_NAME
+from app.manifest import MANIFEST_NAME, check_relative_path
 from rollout.local_cluster import free_port
-from tests.file_artifacts import HeldFileServer, make_file_artifact
+from tests.file_artifacts import HeldFileServer, make_file_artifact, rewrite_manifest
 
 PASSWORD = "hunter2-pass"
 SIGNATURE = "f00dfacecafe5ec2e7"
@@ -279,14 +281,122 @@ def test_a_redirect_to_another_scheme_is_refused(tmp_path: Path, target: str) ->
     assert "redirect" in info.value.detail and location.split(":")[0] in info.value.detail
 
 
-def test_a_redirect_within_the_scheme_to_another_host_port_is_followed(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("target", "shown"),
+    [
+        ("http://127.0.0.1:{port}/a/manifest.json", "127.0.0.1:{port}"),  # another port
+        ("http://localhost:{base_port}/a/manifest.json", "localhost:{base_port}"),  # host
+        ("http://store.example/a/manifest.json", "store.example:80"),
+    ],
+)
+def test_a_redirect_to_another_host_or_port_is_refused_naming_both(
+    tmp_path: Path, target: str, shown: str
+) -> None:
+    """A server may not send the fetch (and whatever the URI carries) to another origin: a
+    store's credentials would go along, and a host chosen by the store is not one the
+    operator named."""
+    port = free_port()
+    cache = ArtifactCache(tmp_path / "cache")
+    with contextlib.ExitStack() as stack:
+        holder: dict[str, str] = {}
+
+        def moved(request: BaseHTTPRequestHandler) -> None:
+            answer(302, {"Location": holder["location"]})(request)
+
+        base = stack.enter_context(serving(moved))
+        base_port = base.rsplit(":", 1)[1]
+        holder["location"] = target.format(port=port, base_port=base_port)
+        with pytest.raises(ArtifactRejected) as info:
+            cache.fetch_verified(f"{base}/a/manifest.json", "ab" * 32)
+    detail = info.value.detail
+    assert info.value.category == "path"
+    assert "redirect" in detail and "not followed" in detail, detail
+    assert f"127.0.0.1:{base_port}" in detail, detail  # where it came from
+    assert shown.format(port=port, base_port=base_port) in detail, detail  # where it went
+
+
+def test_a_redirect_within_the_same_origin_is_followed(tmp_path: Path) -> None:
     artifact = make_file_artifact(tmp_path, {"w.bin": b"payload"})
+    stored = artifact.out_dir / MANIFEST_NAME
+
+    def store(request: BaseHTTPRequestHandler) -> None:
+        if request.path.startswith("/old/"):
+            answer(301, {"Location": "/" + request.path.removeprefix("/old/")})(request)
+        elif request.path == f"/{artifact.out_dir.name}/{MANIFEST_NAME}":
+            answer(200, body=stored.read_bytes())(request)
+        else:
+            answer(404)(request)
+
+    with serving(store) as base:
+        source = ArtifactSource(f"{base}/old/{artifact.out_dir.name}/{MANIFEST_NAME}")
+        assert source.read_small(None) == stored.read_bytes()
+
+
+# --------------------------------------------------------------------------- file paths in URLs
+
+
+@contextmanager
+def recording_store() -> Iterator[tuple[str, list[str]]]:
+    """A server answering every GET with ``data``, noting each request's path as sent."""
+    paths: list[str] = []
+
+    def record(request: BaseHTTPRequestHandler) -> None:
+        paths.append(request.path)
+        answer(200, body=b"data")(request)
+
+    with serving(record) as base:
+        yield base, paths
+
+
+@pytest.mark.parametrize(
+    ("rel", "requested"),
+    [
+        ("%2e%2e/secret", "/store/a/%252e%252e/secret"),  # never climbs to /store/secret
+        ("%2E%2E/%2e%2e/secret", "/store/a/%252E%252E/%252e%252e/secret"),
+        ("w.bin?x=1", "/store/a/w.bin%3Fx=1"),  # not a query (yarl sends "=" as is)
+        ("w.bin#frag", "/store/a/w.bin%23frag"),  # not a fragment
+        ("dir/a b+c.bin", "/store/a/dir/a%20b%2Bc.bin"),
+    ],
+)
+def test_each_segment_of_a_file_path_is_quoted_into_the_url(rel: str, requested: str) -> None:
+    with recording_store() as (base, paths):
+        source = ArtifactSource(f"{base}/store/a/{MANIFEST_NAME}", fetch=FAST)
+        with source.open(rel) as stream:
+            assert stream.read() == b"data"
+        assert source.read_small(rel) == b"data"
+    assert paths == [requested, requested]
+
+
+def test_a_file_named_with_a_space_and_a_plus_is_fetched_over_http_by_its_own_name(
+    tmp_path: Path,
+) -> None:
+    data = os.urandom(4096)
+    artifact = make_file_artifact(tmp_path, {"dir/a b+c.bin": data})
     store = HeldFileServer(tmp_path)
     with store.running():
-        moved = answer(302, {"Location": store.uri(f"{artifact.out_dir.name}/{MANIFEST_NAME}")})
-        with serving(moved) as base:
-            source = ArtifactSource(f"{base}/{artifact.out_dir.name}/{MANIFEST_NAME}")
-            assert source.read_small(None) == (artifact.out_dir / MANIFEST_NAME).read_bytes()
+        got = ArtifactCache(tmp_path / "cache").fetch_verified(
+            store.uri(f"{artifact.out_dir.name}/{MANIFEST_NAME}"), artifact.manifest_sha256
+        )
+    assert got.read_verified("dir/a b+c.bin") == data
+
+
+@pytest.mark.parametrize(
+    "path", ["%2e%2e/secret", "w%20.bin", "w.bin%", "w.bin?x=1", "dir/w.bin#frag"]
+)
+def test_a_manifest_file_path_with_a_percent_escape_query_or_fragment_is_refused(
+    tmp_path: Path, path: str
+) -> None:
+    """A name the manifest lists is a name, never part of a URL's syntax: refused before any
+    store is asked for it, the message naming the path."""
+    artifact = make_file_artifact(tmp_path, {"w.bin": b"x"})
+    digest = rewrite_manifest(artifact, lambda doc: doc["files"][0].update(path=path))
+    with pytest.raises(ArtifactRejected) as info:
+        ArtifactCache(tmp_path / "cache").fetch_verified(artifact.manifest_uri, digest)
+    assert info.value.category == "path"
+    assert repr(path) in info.value.detail, info.value.detail
+    with pytest.raises(ArtifactRejected) as info:
+        check_relative_path(path)
+    assert repr(path) in info.value.detail
 
 
 # --------------------------------------------------------------------------- credentials
