@@ -61,6 +61,9 @@ def main() -> None:
         f"({summary.requests / max(elapsed, 1e-9):.1f}/s), non-2xx {summary.non_2xx}, "
         f"statuses {summary.statuses}"
     )
+    if summary.requests and not summary.by_cohort:
+        print("  no per-cohort split: the answers do not name their cohort (the router's "
+              "reveal_cohort is off, as in production configs)")  # fmt: skip
     for cohort, stats in summary.by_cohort.items():
         print(f"  {cohort}: {stats['requests']} answers, p50 {stats['p50_ms']:.1f} ms, "
               f"p99 {stats['p99_ms']:.1f} ms")  # fmt: skip
