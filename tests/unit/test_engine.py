@@ -301,7 +301,7 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     assert [t["cohort"] for t in status["targets"]] == ["stable"]  # aborted before canary
     assert set(status["replicas"][0]) == {
         "replica", "cohort", "phase", "desired", "desired_revision", "actual", "actual_revision",
-        "error", "age_s", "progress", "backbone",
+        "error", "age_s", "progress", "backbone", "trust_anchors",
     }  # fmt: skip
     # The events persisted with the state are the same dicts.
     record = registry.list_rollouts("ranker", "default", limit=1)[0]
