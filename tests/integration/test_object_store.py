@@ -1,8 +1,9 @@
 """Artifacts in an S3-compatible store (moto's server on loopback, behind a proxy that can
 stall): the cache reads them in parallel ranges with per-read timeouts, reads a stalled
 range again and keeps the others (a broken transfer resumes), refuses a truncated object
-before reading it, and a replica's loader fetches and loads a ~1 GiB artifact from there in
-one pass. Marked ``objectstore``, so it can also run alone."""
+before reading it, and a replica's loader fetches and loads a 256 MiB artifact from there in
+one pass (64 MiB tensors, read in many ranges). Marked ``objectstore``, so it can also run
+alone."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ from tests.object_store import S3Server
 pytestmark = pytest.mark.objectstore
 
 WIDE = {"hidden_dim": 2048, "num_layers": 4, "context_dim": 16}  # ~50 MiB, 16 MiB tensors
-GIB = {"hidden_dim": 4096, "num_layers": 16, "context_dim": 16}  # ~0.94 GiB
+# One pass is asserted by counters (bytes read from the store, bytes read again from the
+# cache), which do not depend on the size: 256 MiB (was ~0.94 GiB, 61 s of the tier's time).
+# What a GiB-scale load holds in memory is measured in tests/unit/test_streamed_load.py.
+LARGE = {"hidden_dim": 4096, "num_layers": 5, "context_dim": 16}  # ~0.25 GiB
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +133,11 @@ def test_a_truncated_object_is_refused_before_its_bytes_are_read(
     assert info.value.category == "size", info.value
 
 
-def test_a_gib_artifact_is_fetched_and_loaded_in_one_pass(s3: S3Server, tmp_path: Path) -> None:
-    packed = pack_ranker(tmp_path / "src", artifact_id="s3-gib", params=GIB, seed=5)
+def test_a_large_artifact_is_fetched_and_loaded_in_one_pass(s3: S3Server, tmp_path: Path) -> None:
+    packed = pack_ranker(tmp_path / "src", artifact_id="s3-large", params=LARGE, seed=5)
     size = (packed.out_dir / "weights.safetensors").stat().st_size
-    assert size > 900 << 20
-    uri = s3.upload_dir(packed.out_dir, "artifacts", "gib/v1")
+    assert size > 240 << 20
+    uri = s3.upload_dir(packed.out_dir, "artifacts", "large/v1")
     target = packed.target(1).model_copy(update={"manifest_uri": uri})
     cache = ArtifactCache(tmp_path / "cache", fetch=s3.fetch_config())
     loader = loader_for(cache)
@@ -142,6 +146,6 @@ def test_a_gib_artifact_is_fetched_and_loaded_in_one_pass(s3: S3Server, tmp_path
         # Read from the store once, into the cache and the model at once.
         assert candidate.timings.fetched_bytes > size
         assert candidate.timings.loaded_bytes < 1 << 20
-        assert candidate.model.param_bytes > 900 << 20
+        assert candidate.model.param_bytes > 240 << 20
     finally:
         loader.discard(candidate)
