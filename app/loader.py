@@ -34,10 +34,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import torch
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 from torch import nn
 
+from app.compatibility import PRECISION_NAMES, WEIGHTS_FILES, check_compatibility
 from app.contracts import WireRequest
 from app.errors import ArtifactRejected
 from app.load_control import LoadCancelled, LoadControl, begin, checkpoint
@@ -56,10 +55,8 @@ from app.preprocessing import LABEL_MAPPING_FILE, LabelMapping, RankedCandidate,
 if TYPE_CHECKING:
     from app.cache import VerifiedArtifact
 
-WEIGHTS_FILES: Final = {"safetensors": "weights.safetensors", "pytorch-state-dict": "weights.pt"}
 PRECISIONS: Final = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# manifest.metadata["requires"]["torch"]: a PEP 440 specifier such as ">=2.10,<3".
-TORCH_REQUIREMENT_KEY: Final = ("requires", "torch")
+assert tuple(PRECISIONS) == PRECISION_NAMES
 # Largest dry-run batch in rows (candidates over all requests); sizes the warm-up workspace.
 DRY_RUN_MAX_ROWS: Final = 24 * 16
 # Scores of a request must not depend on what else is in its batch (beyond kernel rounding).
@@ -102,102 +99,6 @@ def default_device() -> torch.device:
 def runtime_build() -> str:
     """e.g. ``torch-2.13.0+cpu`` or ``torch-2.13.0+cu130`` (the wheel's local version)."""
     return f"torch-{torch.__version__}"
-
-
-def _torch_requirement(manifest: Manifest) -> str | None:
-    node: Any = manifest.metadata
-    for key in TORCH_REQUIREMENT_KEY:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    if not isinstance(node, str):
-        raise ArtifactRejected("runtime", f"metadata.requires.torch must be a string, got {node!r}")
-    return node
-
-
-def check_compatibility(manifest: Manifest, families: Families | None = None) -> ModelFamily:
-    """Can this service run the artifact at all? Its family (of ``families``, default every
-    family the service ships); ArtifactRejected ``runtime`` / ``schema``."""
-    aid = manifest.artifact_id
-    families = families or families_for(SHIPPED_FAMILIES)
-    if manifest.runtime not in WEIGHTS_FILES:
-        raise ArtifactRejected(
-            "runtime",
-            f"unknown runtime {manifest.runtime!r} (supported: {sorted(WEIGHTS_FILES)})",
-            artifact_id=aid,
-        )
-    if manifest.precision not in PRECISIONS:
-        raise ArtifactRejected(
-            "runtime",
-            f"unknown precision {manifest.precision!r} (supported: {sorted(PRECISIONS)})",
-            artifact_id=aid,
-        )
-    try:
-        family, spec = families.resolve(manifest.architecture)
-        spec.validate(manifest.architecture)
-        if manifest.feature_schema != family.schema.name:
-            raise ArtifactRejected(
-                "schema",
-                f"feature schema {manifest.feature_schema!r}; architecture {spec.name} "
-                f"(family {family.name}) reads {family.schema.name!r}",
-            )
-        running = Version(torch.__version__)
-        if running.release < Version(spec.min_torch).release:
-            raise ArtifactRejected(
-                "runtime", f"{spec.name} v{spec.version} needs torch >= {spec.min_torch}"
-            )
-        requirement = _torch_requirement(manifest)
-        if requirement is not None:
-            try:
-                allowed = SpecifierSet(requirement)
-            except InvalidSpecifier:
-                raise ArtifactRejected(
-                    "runtime", f"metadata.requires.torch {requirement!r} is not a version range"
-                ) from None
-            # Compare the public version: a "+cu130" build satisfies ">=2.10" like "+cpu" does.
-            if not allowed.contains(running.public, prereleases=True):
-                raise ArtifactRejected(
-                    "runtime", f"artifact requires torch {requirement}, this is {torch.__version__}"
-                )
-    except ArtifactRejected as exc:
-        raise ArtifactRejected(exc.category, exc.detail, artifact_id=aid) from None
-    except InvalidVersion as exc:  # a local torch build with an odd version string
-        raise ArtifactRejected(
-            "runtime", f"cannot read torch version: {exc}", artifact_id=aid
-        ) from None
-    if manifest.kind != "model" and not family.splits:
-        raise ArtifactRejected(
-            "runtime",
-            f"family {family.name} loads whole models only: it has no head to split off "
-            f"(artifact kind {manifest.kind})",
-            artifact_id=aid,
-        )
-    listed = {f.path for f in manifest.files}
-    if manifest.kind == "backbone":
-        # Never served alone: the preprocessing and score bands are its heads'.
-        if WEIGHTS_FILES[manifest.runtime] not in listed:
-            raise ArtifactRejected(
-                "schema",
-                f"runtime {manifest.runtime} needs {WEIGHTS_FILES[manifest.runtime]!r} in the "
-                "artifact",
-                artifact_id=aid,
-            )
-        return family
-    for needed in (WEIGHTS_FILES[manifest.runtime], LABEL_MAPPING_FILE):
-        if needed not in listed:
-            raise ArtifactRejected(
-                "schema",
-                f"runtime {manifest.runtime} needs {needed!r} in the artifact",
-                artifact_id=aid,
-            )
-    for needed in family.schema.preprocessing_files:
-        if needed not in listed:
-            raise ArtifactRejected(
-                "schema",
-                f"feature schema {family.schema.name} needs {needed!r} in the artifact",
-                artifact_id=aid,
-            )
-    return family
 
 
 def compute_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -1067,7 +968,7 @@ class CandidateLoad:
         if self.expect is not None:
             self.expect(manifest)
         self._check_kind(manifest)
-        family = check_compatibility(manifest, self.families)
+        family = check_compatibility(manifest, self.families, torch_version=torch.__version__)
         _, spec = self.families.resolve(manifest.architecture)
         params = spec.validate(manifest.architecture)
         self.compute_dtype = compute_dtype_for(manifest.precision, self.device)

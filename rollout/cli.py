@@ -315,7 +315,7 @@ def verify(
 def _servable_check(model: str) -> Callable[[Manifest], None]:
     """What the manifest says decides whether the service could ever serve it: no weights
     need loading to refuse an unknown runtime, schema, precision or architecture."""
-    from app.loader import check_compatibility
+    from app.compatibility import check_compatibility
 
     def servable(manifest: Manifest) -> None:
         if manifest.model != model:

@@ -259,7 +259,7 @@ def register_command(
     (runtime, feature schema, precision, architecture) is refused (exit 3), and so is, with a
     --trust-* anchor, an artifact without a signature the anchors accept (checked as replicas
     check it: the manifest and its signature files are read, no weights)."""
-    from app.loader import check_compatibility  # torch: only for the command that needs it
+    from app.compatibility import check_compatibility
     from app.trust import TrustPolicy, verify_at_source
 
     session.secret_uris.append(manifest_uri)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,10 +32,22 @@ def servable_manifest(root: Path) -> PackResult:
     return artifacts.good_artifact(root)
 
 
-def rollout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def rollout(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [ROLLOUT, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
-    )
+        [ROLLOUT, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
+
+
+def imported_packages(done: subprocess.CompletedProcess[str]) -> set[str]:
+    """Top-level packages a process run with PYTHONPROFILEIMPORTTIME=1 imported (its stderr)."""
+    return {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
 
 
 def assert_rejected(done: subprocess.CompletedProcess[str], category: str, words: str) -> None:
@@ -72,17 +85,24 @@ def test_register_refuses_what_the_service_cannot_serve(
     assert listed.returncode == 0 and listed.stdout.strip() == "[]", listed
 
 
-def test_a_servable_artifact_verifies_and_registers(tmp_path: Path) -> None:
+def test_a_servable_artifact_verifies_and_registers_without_importing_torch(
+    tmp_path: Path,
+) -> None:
+    # Both read manifests only: torch's import would be most of each command's time.
+    profiled = {"PYTHONPROFILEIMPORTTIME": "1"}
     result = servable_manifest(tmp_path / "art")
     verified = rollout(
         "verify", result.manifest_uri, "--sha256", result.manifest_sha256,
-        "--cache", str(tmp_path / "cache"), cwd=tmp_path,
+        "--cache", str(tmp_path / "cache"), cwd=tmp_path, env=profiled,
     )  # fmt: skip
     assert verified.returncode == 0, verified.stderr
+    assert "torch" not in imported_packages(verified)
+    assert "app" in imported_packages(verified)  # the profile is there to read
     db = f"sqlite:///{tmp_path / 'registry.db'}"
     assert rollout("registry", "--db", db, "init", cwd=tmp_path).returncode == 0
     registered = rollout(
         "registry", "--db", db, "register", result.manifest_uri, "--sha256",
-        result.manifest_sha256, cwd=tmp_path,
+        result.manifest_sha256, cwd=tmp_path, env=profiled,
     )  # fmt: skip
     assert registered.returncode == 0, registered.stderr
+    assert "torch" not in imported_packages(registered)

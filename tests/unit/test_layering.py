@@ -32,6 +32,8 @@ PURE_MODULES = (
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
     "app.preprocessing",
+    # What reads manifests only (rollout verify, registry register) must not pay for torch.
+    "app.compatibility",
     "app.models.ranker_mlp",
     "app.models.ranker_mlp.features",
     "app.models.two_tower",
