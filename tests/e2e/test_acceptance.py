@@ -734,7 +734,8 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
 
     s.given.stable_on(BASELINE).steady_traffic(rate=30)
     # The outage outlasts the progress deadline: a rollout that counted it would roll back.
-    deadline_s = 30
+    # 15 s: room for a step's 3 s window on a busy machine, and an outage of 20 s.
+    deadline_s = 15
     s.when.start_rollout(
         CANDIDATE, plan(gates={"pause_before_steps": [100]}, progress_deadline_s=deadline_s)
     )

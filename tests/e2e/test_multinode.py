@@ -38,7 +38,7 @@ BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
 PLAN = {
     **FAST_PLAN,
     "steps": [20, 50, 100],
-    "interval_s": 4,
+    "interval_s": 2,
     "progress_deadline_s": 120,
     # Two canary replicas: one per worker node.
     "canary_scaling": {"min_replicas": 2, "max_replicas": 2, "idle_replicas": 2},

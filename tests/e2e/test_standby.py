@@ -4,7 +4,7 @@ every primary replica killed with ``ray.kill`` while clients send traffic.
 
 Marked ``standby`` (``pytest -m standby`` runs them alone). The router's standby config is
 shortened so a scenario takes a minute: breakers trip after 5 failed calls or 3 unanswered
-probes (0.5 s apart), fail back after 15 s half-open (20% of the cohort's users) and a 5 s ramp.
+probes (0.5 s apart), fail back after 10 s half-open (20% of the cohort's users) and a 3 s ramp.
 The guard's and the cold fallback's scenarios make every primary call fail by fault injection
 instead of killing replicas: Serve brings a killed replica back within seconds on a quiet
 machine, too soon for an outage of a known length.
@@ -47,8 +47,8 @@ from tests.e2e.harness import (
 pytestmark = [pytest.mark.e2e, pytest.mark.acceptance, pytest.mark.standby]
 
 TRIP_AFTER_FAILURES = 5
-WINDOW_S = 15.0
-RAMP_S = 5.0
+WINDOW_S = 10.0
+RAMP_S = 3.0
 HALF_OPEN_SHARE = 0.2
 STANDBY: dict[str, Any] = {
     "trip_after_failures": TRIP_AFTER_FAILURES,
