@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,39 +83,94 @@ class MultiNodeEnv:
     def status(self) -> dict[str, Any]:
         return self.rollout("status")
 
+    def watch(self) -> StatusWatch:
+        """``rollout status --watch --json``, as CI gates on a rollout: one process for the
+        rollout's views (a ``rollout status`` per poll attached to the cluster each time, about
+        3 s of the two cores the nodes run on)."""
+        return StatusWatch([ROLLOUT, "status", "--watch", "--interval", "1", *self.common()],
+                           self.work)  # fmt: skip
+
     def watch_to_the_end(self, *phases: str, timeout: float = 240) -> dict[str, Any]:
-        """``rollout status --watch --json`` until the rollout finishes (one process, as CI
-        gates on it; polling ``rollout status`` once a second started a process that attached
-        to the cluster each time, on the two cores the nodes run on); its exit code is the
-        outcome's, and the last view's phase must be one of ``phases``."""
-        done = subprocess.run(
-            [ROLLOUT, "status", "--watch", "--interval", "1", *self.common()],
-            capture_output=True, text=True, timeout=timeout,
-            cwd=self.work, env={**os.environ, "RAY_AUTH_MODE": "token"},
-        )  # fmt: skip
-        assert "Traceback" not in done.stderr, done.stderr[-4000:]
-        last = json.loads(done.stdout.strip().splitlines()[-1])
-        assert last.get("finished") and last.get("phase") in phases, (last, done.stderr[-2000:])
-        assert done.returncode == exit_code_for_phase(last["phase"]), done.returncode
-        return last
+        with self.watch() as watch:
+            return watch.to_the_end(*phases, timeout=timeout)
 
     def wait_canary_weight(self, timeout: float = 180) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
+        with self.watch() as watch:
+            return watch.until_canary_weight(timeout)
 
-        def live() -> bool:
-            seen.clear()
-            seen.update(self.status())
-            return (
-                seen.get("phase") == "progressing"
-                and (seen.get("weights") or {}).get("canary_bp", 0) > 0
-            )
-
-        wait_until(live, timeout, "canary taking traffic", every=0.5)
-        return seen
-
-    def stable_artifact(self) -> str:
-        targets = self.status().get("targets") or []
+    def stable_artifact(self, view: dict[str, Any] | None = None) -> str:
+        """Stable's artifact in ``view`` (a ``rollout status`` of its own when None)."""
+        targets = (view or self.status()).get("targets") or []
         return next(t["artifact_id"] for t in targets if t["cohort"] == "stable")
+
+
+class StatusWatch:
+    """A running ``rollout status --watch --json``: its views, read as they come."""
+
+    def __init__(self, argv: list[str], cwd: Path) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in __exit__
+        self._proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self._stderr, text=True, cwd=cwd,
+            env={**os.environ, "RAY_AUTH_MODE": "token"},
+        )  # fmt: skip
+        self._views: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.strip():
+                self._views.put(json.loads(line))
+        self._views.put(None)  # the process ended
+
+    def errors(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-4000:]
+
+    def until(self, wanted: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> Any:
+        """The first view from now on for which ``wanted`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                view = self._views.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{what}: not within {timeout}s; {self.seen[-1:]}") from None
+            if view is None:
+                self._proc.wait(timeout=30)
+                raise AssertionError(f"{what}: the watch ended first; {self.seen[-1:]}; "
+                                     f"exit {self._proc.returncode}: {self.errors()}")  # fmt: skip
+            self.seen.append(view)
+            if wanted(view):
+                return view
+
+    def until_canary_weight(self, timeout: float) -> dict[str, Any]:
+        return self.until(
+            lambda v: (
+                v.get("phase") == "progressing" and (v.get("weights") or {}).get("canary_bp", 0) > 0
+            ),
+            timeout,
+            "canary taking traffic",
+        )
+
+    def to_the_end(self, *phases: str, timeout: float) -> dict[str, Any]:
+        """The rollout's last view (its phase one of ``phases``); the watch's exit code is
+        the outcome's."""
+        last = self.until(lambda v: bool(v.get("finished")), timeout, "the rollout's end")
+        code = self._proc.wait(timeout=30)
+        assert "Traceback" not in self.errors(), self.errors()
+        assert last.get("phase") in phases, (last, self.errors())
+        assert code == exit_code_for_phase(last["phase"]), code
+        return last
+
+    def __enter__(self) -> StatusWatch:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait(timeout=30)
+        self._stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -197,27 +255,29 @@ def test_a_rollout_and_a_rollback_with_both_cohorts_on_both_workers(mn: MultiNod
     traffic = steady_traffic(mn.cluster.http_url, rate=15)
     try:
         mn.rollout("start", "ranker", CANDIDATE, "--plan", str(mn.plan))
-        mn.wait_canary_weight()
-        # Serve spreads replicas over nodes (best effort): each deployment on both workers.
-        wait_until(
-            lambda: all(
-                set(spread(mn.cluster).get(d) or {}) == workers
-                for d in ("stable", "canary", "router")
-            ),
-            60,
-            "stable, canary and router replicas on both workers",
-            every=1.0,
-        )
-        done = mn.watch_to_the_end("succeeded")
-        assert mn.stable_artifact() == CANDIDATE, done
+        with mn.watch() as watch:
+            watch.until_canary_weight(180)
+            # Serve spreads replicas over nodes (best effort): each deployment on both workers.
+            wait_until(
+                lambda: all(
+                    set(spread(mn.cluster).get(d) or {}) == workers
+                    for d in ("stable", "canary", "router")
+                ),
+                60,
+                "stable, canary and router replicas on both workers",
+                every=1.0,
+            )
+            done = watch.to_the_end("succeeded", timeout=240)
+        assert mn.stable_artifact(done) == CANDIDATE, done
 
         # Back to v41, and an operator rollback while its canary takes traffic.
         mn.rollout("start", "ranker", BASELINE, "--plan", str(mn.plan))
-        mn.wait_canary_weight()
-        mn.rollout("rollback", "--reason", "multinode test")
-        ended = mn.watch_to_the_end("rolled_back")
+        with mn.watch() as watch:
+            watch.until_canary_weight(180)
+            mn.rollout("rollback", "--reason", "multinode test")
+            ended = watch.to_the_end("rolled_back", timeout=240)
         assert (ended["weights"] or {}).get("canary_bp") == 0
-        assert mn.stable_artifact() == CANDIDATE
+        assert mn.stable_artifact(ended) == CANDIDATE
     finally:
         records = traffic.stop()
     assert len(records) > 100
