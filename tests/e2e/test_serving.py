@@ -220,13 +220,18 @@ def set_weight(cluster: Cluster, canary_bp: int) -> None:
 
 def test_bucketing_is_deterministic_and_monotone(serving: Cluster) -> None:
     cluster = serving
+    # 300 keyed users place the 5% and 25% shares within their bounds below; 100 of them asked
+    # again are enough to see a split that is not deterministic (a random one changes about
+    # 10% of the users' cohorts at 5%: all 100 alike by chance about once in 20,000).
     users = [f"user-{i}" for i in range(300)]
     canary_at: dict[int, set[str]] = {}
     for weight in (500, 2500):
         set_weight(cluster, weight)
         first = rank_many(cluster, users)
-        again = rank_many(cluster, users)
-        assert [a["cohort"] for a in first] == [a["cohort"] for a in again], "not deterministic"
+        again = rank_many(cluster, users[:100])
+        assert [a["cohort"] for a in first[:100]] == [a["cohort"] for a in again], (
+            "not deterministic"
+        )
         assert not any(a["failover"] for a in first)
         for a in first:
             expected = "ranker-v42" if a["cohort"] == "canary" else "ranker-v41"
@@ -235,8 +240,9 @@ def test_bucketing_is_deterministic_and_monotone(serving: Cluster) -> None:
     assert canary_at[500] <= canary_at[2500], "a user left the canary when its weight grew"
     assert 3 <= len(canary_at[500]) <= 35  # ~5% of 300
     assert 45 <= len(canary_at[2500]) <= 110  # ~25% of 300
-    # No key: a random split, so both cohorts answer.
-    anonymous = rank_many(cluster, [None] * 120)
+    # No key: a random split, so both cohorts answer (at 25%, 40 requests all on stable by
+    # chance about once in 100,000).
+    anonymous = rank_many(cluster, [None] * 40)
     assert {a["cohort"] for a in anonymous} == {"stable", "canary"}
 
 
