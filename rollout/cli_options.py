@@ -100,6 +100,7 @@ def check_signature_file(_ctx: click.Context, _param: click.Parameter, value: st
 _TRUST_PARAMS: Final = (
     "trust_keys",
     "trust_cert_chains",
+    "trust_cert_identities",
     "trust_identities",
     "trust_issuers",
     "sigstore_trust_config",
@@ -126,6 +127,14 @@ def trust_options(func: Any) -> Any:
             multiple=True,
             type=existing,
             help="CA certificates (PEM) an OpenSSF certificate-mode signature must chain to.",
+        ),
+        click.option(
+            "--trust-cert-identity",
+            "trust_cert_identities",
+            multiple=True,
+            help="With --trust-cert-chain: the signer its signing certificate must name (an "
+            "e-mail, URI or DNS name among its SANs, or its subject as 'CN=...,O=...'). "
+            "Repeatable: any one of them.",
         ),
         click.option(
             "--trust-identity",
@@ -170,6 +179,11 @@ def trust_from_options(params: dict[str, Any]) -> SignatureTrust:
             "per --trust-identity",
             param_hint="--trust-issuer",
         )
+    if values["trust_cert_identities"] and not values["trust_cert_chains"]:
+        raise click.BadParameter(
+            "names the signer of a certificate chain: give --trust-cert-chain too",
+            param_hint="--trust-cert-identity",
+        )
     try:
         keyless = [
             KeylessSigner(identity=identity, oidc_issuer=issuer)
@@ -178,6 +192,7 @@ def trust_from_options(params: dict[str, Any]) -> SignatureTrust:
         return SignatureTrust(
             keys=list(values["trust_keys"]),
             certificate_chains=list(values["trust_cert_chains"]),
+            certificate_identities=list(values["trust_cert_identities"]),
             keyless=keyless,
             sigstore_trust_config=values["sigstore_trust_config"],
             signature_file=values["signature_file"],
@@ -186,6 +201,7 @@ def trust_from_options(params: dict[str, Any]) -> SignatureTrust:
         first = exc.errors(include_url=False)[0]
         where = str(first["loc"][0]) if first.get("loc") else "trust"
         hint = {
+            "certificate_identities": "--trust-cert-identity",
             "identity": "--trust-identity",
             "oidc_issuer": "--trust-issuer",
             "signature_file": "--signature-file",

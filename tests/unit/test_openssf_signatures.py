@@ -334,6 +334,24 @@ def test_certificate_mode_signatures_verify_against_the_trusted_chain_only(
     )  # fmt: skip
     assert code == EXIT_REJECTED, err
     assert err.startswith("rejected: signature: openssf-certificate (certificates other-ca.crt)")
+    # The signer named on the command line: the leaf's subject passes, another is refused.
+    code, payload, err = rollout_verify(
+        tmp_path / "named", art.manifest_uri, art.manifest_sha256,
+        "--trust-cert-chain", pki / "ca.crt", "--trust-cert-identity", "CN=trainer",
+    )  # fmt: skip
+    assert code == 0 and payload is not None, err
+    code, _, err = rollout_verify(
+        tmp_path / "misnamed", art.manifest_uri, art.manifest_sha256,
+        "--trust-cert-chain", pki / "ca.crt", "--trust-cert-identity", "CN=someone-else",
+    )  # fmt: skip
+    assert code == EXIT_REJECTED and err.startswith("rejected: signature: "), err
+    assert "CN=someone-else" in err, err
+    # An identity with no chain to check it against is a usage error naming the option.
+    code, _, err = rollout_verify(
+        tmp_path / "chainless", art.manifest_uri, art.manifest_sha256,
+        "--trust-cert-identity", "CN=trainer",
+    )  # fmt: skip
+    assert code == 2 and "--trust-cert-identity" in err, err
 
 
 # --------------------------------------------------------------------------- keyless
