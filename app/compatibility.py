@@ -32,8 +32,14 @@ TORCH_REQUIREMENT_KEY: Final = ("requires", "torch")
 
 @cache
 def installed_torch_version() -> str:
-    """The torch this process would import, e.g. ``2.13.0+cpu``, without importing it."""
-    return importlib.metadata.version("torch")
+    """The torch this process would import, e.g. ``2.13.0+cpu``, without importing it (where
+    no distribution metadata names it, as in a source build on the path, by importing it)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return str(torch.__version__)
 
 
 def torch_requirement(manifest: Manifest) -> str | None:
