@@ -1,6 +1,9 @@
 """Fixtures of the e2e suite; what they set up is tests/e2e/harness.py.
 
-- ``cluster`` (session): one real Ray cluster with Serve and the ``ranker`` app.
+- ``serve_cluster`` (session): one real Ray cluster with Serve, and no application of the
+  tests' own yet (the modules that deploy their own apps take this one).
+- ``cluster`` (session): ``serve_cluster`` with the data-plane ``ranker`` app, deployed when
+  the first test asks for it (after the modules on ``rollout-e2e``, which run first).
 - ``serving`` (per test): the session cluster after a cheap reset to its baseline.
 - ``env`` (session): the ``rollout-e2e`` app in the session cluster, driven by the real rollout
   controller, with its registry; deployed once for every module that uses it (a deploy costs
@@ -29,6 +32,7 @@ from tests.e2e.harness import (
     BASELINE,
     Cluster,
     RolloutEnv,
+    deploy_ranker_app,
     reset_rollout,
     reset_serving,
     rollout_application,
@@ -37,9 +41,15 @@ from tests.e2e.harness import (
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with session_cluster(tmp_path_factory.mktemp("e2e")) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def cluster(serve_cluster: Cluster) -> Cluster:
+    deploy_ranker_app(serve_cluster)
+    return serve_cluster
 
 
 @pytest.fixture
@@ -53,8 +63,8 @@ _ROLLOUT_APP = ExitStack()
 
 
 @pytest.fixture(scope="session")
-def env(cluster: Cluster) -> Iterator[RolloutEnv]:
-    environment = _ROLLOUT_APP.enter_context(rollout_application(cluster, "session"))
+def env(serve_cluster: Cluster) -> Iterator[RolloutEnv]:
+    environment = _ROLLOUT_APP.enter_context(rollout_application(serve_cluster, "session"))
     yield environment
     _ROLLOUT_APP.close()  # nothing left to do when the last test using it removed it
 

@@ -41,7 +41,8 @@ ARCH = Architecture(name=RANKER_MLP, version=1, params=dict(DEMO_PARAMS))
 
 
 @pytest.fixture(scope="module")
-def heads(cluster: Cluster) -> Iterator[RolloutEnv]:
+def heads(serve_cluster: Cluster) -> Iterator[RolloutEnv]:
+    cluster = serve_cluster
     store = cluster.work / "head-store"
     one = pack_split_artifacts(
         store, ARCH, backbone_id="rb-1", backbone_seed=41, heads=[("head-a", 41), ("head-b", 43)]

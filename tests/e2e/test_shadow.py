@@ -44,8 +44,8 @@ BAD = {
 
 
 @pytest.fixture(scope="module")
-def shadow_artifacts(cluster: Cluster) -> dict[str, PackResult]:
-    return make_shadow_artifacts(cluster.work / "shadow-store", cluster.demo[BASELINE])
+def shadow_artifacts(serve_cluster: Cluster) -> dict[str, PackResult]:
+    return make_shadow_artifacts(serve_cluster.work / "shadow-store", serve_cluster.demo[BASELINE])
 
 
 def shadow_of(s: Scenario) -> dict[str, Any]:

@@ -71,8 +71,8 @@ ROUTER: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def standby(cluster: Cluster) -> Iterator[StandbyEnv]:
-    with standby_application(cluster, ROUTER) as env:
+def standby(serve_cluster: Cluster) -> Iterator[StandbyEnv]:
+    with standby_application(serve_cluster, ROUTER) as env:
         yield env
 
 

@@ -41,9 +41,9 @@ TWO_TOWER_APP = RolloutApp(
 
 
 @pytest.fixture(scope="module")
-def two_tower(cluster: Cluster) -> Iterator[RolloutEnv]:
-    packed = {p.artifact_id: p for p in make_two_tower_artifacts(cluster.work / "store")}
-    with rollout_application(cluster, "two_tower", TWO_TOWER_APP, packed) as env:
+def two_tower(serve_cluster: Cluster) -> Iterator[RolloutEnv]:
+    packed = {p.artifact_id: p for p in make_two_tower_artifacts(serve_cluster.work / "store")}
+    with rollout_application(serve_cluster, "two_tower", TWO_TOWER_APP, packed) as env:
         yield env
 
 
