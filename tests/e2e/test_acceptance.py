@@ -736,8 +736,11 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     # The outage outlasts the progress deadline: a rollout that counted it would roll back.
     # 15 s: room for a step's 3 s window on a busy machine, and an outage of 20 s.
     deadline_s = 15
+    # Two steps: the outage falls in the first; the gate before the second shows that the
+    # rollout went on after it (its 20% window judged) without another step's window.
     s.when.start_rollout(
-        CANDIDATE, plan(gates={"pause_before_steps": [100]}, progress_deadline_s=deadline_s)
+        CANDIDATE,
+        plan(steps=[20, 100], gates={"pause_before_steps": [100]}, progress_deadline_s=deadline_s),
     )
     s.when.wait_for_phase("progressing")
     ticks = ray.get(get_controller().ping.remote(), timeout=30)["ticks"]
@@ -763,7 +766,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     s.mark("registry back")
     # This process's own pool held connections the restart cut: reads fail until replaced.
     s.when.wait_until("registry answering again", lambda: pg.list_targets("ranker", "default"))
-    s.when.wait_for_phase("paused", timeout=240)  # resumed: steps 20% and 50% done
+    s.when.wait_for_phase("paused", timeout=240)  # resumed: step 20% judged
     s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
 
     # A second inside each end: the controller may reach PostgreSQL a moment before pg_ctl

@@ -98,9 +98,10 @@ def test_autoscaled_pools_scale_with_the_rollout_and_the_load(scenario: Scenario
     s.check(len(stable_before) == 1, f"stable replicas at low load: {stable_before}")
 
     scaling = {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 0}
-    s.when.start_rollout(
-        CANDIDATE, plan(canary_scaling=scaling, gates={"pause_before_steps": [50]})
-    ).wait_for_phase("paused", timeout=180)
+    # Two steps: the surge comes while the rollout is held at 20%; one step after it is all
+    # that promotion needs here (no share is counted).
+    held = plan(steps=[20, 100], canary_scaling=scaling, gates={"pause_before_steps": [100]})
+    s.when.start_rollout(CANDIDATE, held).wait_for_phase("paused", timeout=180)
     s.check(len(running(env, "canary")) == 1, "the rollout raised the canary pool's floor")
 
     # Rising load during the step: Serve adds a stable replica, which loads stable's target
