@@ -182,6 +182,7 @@ class RolloutEngine:
             prometheus_url=settings.prometheus_url,
             endpoints=settings.metrics_endpoints,
             clock=clock,
+            export_interval_s=metrics_export_interval_s,
         )
         self.clock = clock
         self.targets = TargetBook(
@@ -195,6 +196,9 @@ class RolloutEngine:
         # ``now``) and why. The first tick that gets through moves the deadlines on by it.
         self._held_since: float | None = None
         self._held_reason: str | None = None
+        # Whether the last holding tick found the registry out of reach (not Serve): a read of
+        # it then waits out the connect timeout (10 s for PostgreSQL) before failing again.
+        self._held_on_registry = False
         self.last_window: WindowStats | None = None
         self.alerts: deque[str] = deque(maxlen=50)
         self.errors: deque[str] = deque(maxlen=50)
@@ -448,7 +452,7 @@ class RolloutEngine:
                 )
             except RegistryUnavailable as exc:
                 self._error(f"persist reports: {exc}")
-                return self._hold(now, f"registry unavailable: {exc}")
+                return self._hold(now, f"registry unavailable: {exc}", exc)
             live = self._live
             active = live is not None and live.state.is_active
             if live is not None and active:
@@ -527,6 +531,7 @@ class RolloutEngine:
             )
             self._event("held", reason)
         self._held_reason = reason
+        self._held_on_registry = isinstance(error, RegistryUnavailable)
         return self.rollout_summary()
 
     def _end_hold(self, live: LiveRollout, now: float) -> None:
@@ -535,6 +540,7 @@ class RolloutEngine:
         seconds = now - self._held_since
         self._held_since = None
         self._held_reason = None
+        self._held_on_registry = False
         live.state = machine.held(live.state, seconds)
         self._event("resumed", f"registry and Serve reachable again after {seconds:.1f}s held")
 
@@ -700,13 +706,16 @@ class RolloutEngine:
 
     def view(self) -> ControllerStatus:
         with self._lock:
-            try:
-                targets = [t.published() for t in self.targets.list_targets()]
-            except RolloutSystemError as exc:
-                # Status is asked for exactly when something is down: show the rollout as
-                # the controller holds it, and say that the registry cannot be read.
-                targets = None
-                self._error(f"status: registry: {exc}")
+            # Status is asked for exactly when something is down: show the rollout as the
+            # controller holds it, and say that the registry cannot be read. While a tick's
+            # hold says it is out of reach, status does not wait on it again (the next tick
+            # finds out whether it is back).
+            targets = None
+            if self._held_since is None or not self._held_on_registry:
+                try:
+                    targets = [t.published() for t in self.targets.list_targets()]
+                except RolloutSystemError as exc:
+                    self._error(f"status: registry: {exc}")
             return controller_status(
                 self.rollout_summary(),
                 targets=targets,

@@ -525,3 +525,52 @@ def test_an_idle_pool_of_zero_is_refused_for_a_canary_of_fixed_size(registry: Re
     with pytest.raises(InvalidState, match=r"canary_scaling\.idle_replicas: 0 needs"):
         world.engine.start_rollout(V42, plan)
     assert registry.get_active_rollout("ranker", "default") is None
+
+
+class RegistryDown:
+    """The registry during an outage from ``down()`` on: every call fails as unreachable,
+    after the wait a real pool would spend on it; the calls are counted."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self.is_down = False
+        self.calls: list[str] = []
+
+    def down(self) -> None:
+        self.is_down = True
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._registry, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.is_down:
+                self.calls.append(name)
+                raise RegistryUnavailable(f"registry down: {name}")
+            return attribute(*args, **kwargs)
+
+        return call
+
+
+def test_status_while_held_for_the_registry_does_not_wait_on_it_again(
+    registry: Registry,
+) -> None:
+    # A tick that found the registry unreachable holds the rollout; each call to the registry
+    # then costs the pool's connect timeout (10 s). Status is asked for exactly then: it shows
+    # the rollout as held and says the targets cannot be read, without another such wait.
+    outage = RegistryDown(registry)
+    world = World(outage)  # type: ignore[arg-type]
+    pause_at_the_promotion_gate(world)
+    world.engine.command(Abort("test"))  # a queued command: the next tick persists state
+    outage.down()
+    held = world.tick()
+    assert held.held is not None and "registry" in held.held.reason
+    calls_before = len(outage.calls)
+
+    status = wire(world.engine.view())
+
+    assert outage.calls[calls_before:] == []
+    assert status["targets"] is None
+    assert status["held"]["reason"] == held.held.reason
+    assert any("registry" in error for error in status["errors"])
