@@ -23,6 +23,7 @@ from rollout.metrics import (
     SnapshotWindows,
     parse_exposition,
     quantile_from_buckets,
+    scrape_spacing_s,
     wanted_lines,
     window_increase,
     windows_for,
@@ -190,6 +191,43 @@ def test_a_window_starts_at_the_first_snapshot_taken_at_or_after_its_start(expor
     w = windows.window_between(5, 30)  # from the snapshot at t=10 to the one at t=30
     assert (w.start, w.end) == (10, 30) and w.canary.requests == 20 + 30
     assert windows.window_between(25, 40) is None  # one snapshot inside: no window
+
+
+def test_ticks_faster_than_the_export_scrape_once_per_export(exporter):
+    # The controller ticks every 0.5 s; Ray exports every 1 s. A scrape per tick would read
+    # every export twice (each scrape costs the agent its whole export): one per export.
+    now = [0.0]
+    scrapes = []
+
+    def clock() -> float:
+        return now[0]
+
+    def endpoints() -> list[str]:
+        scrapes.append(now[0])
+        return [exporter.url]
+
+    source = RayScrapeSource(endpoints, application="ranker", clock=clock)
+    windows = SnapshotWindows(source, min_interval_s=scrape_spacing_s(1.0), clock=clock)
+    for tick in range(9):  # t = 0, 0.5, ... 4.0
+        now[0] = tick * 0.5 + (0.02 if tick % 2 else -0.02) * (tick > 0)  # ticks jitter
+        windows.observe()
+        exporter.serve("canary", 5, 10)
+    assert scrapes == [0.0, 0.98, 1.98, 2.98, 3.98]
+    w = windows.window_between(0.5, 4.0)  # snapshots at 0.98 and 3.98: three exports apart
+    assert w is not None and (w.start, w.end) == (0.98, 3.98)
+    assert w.canary.requests == 60  # served after the ticks at 0.98 ... 3.48
+
+    # Where the interval is unknown, every tick scrapes.
+    every = SnapshotWindows(RayScrapeSource(endpoints, application="ranker", clock=clock))
+    scrapes.clear()
+    for tick in range(3):
+        now[0] = 10 + tick * 0.5
+        every.observe()
+    assert scrapes == [10.0, 10.5, 11.0]
+    assert scrape_spacing_s(None) == 0.0
+    # The controller's windows get the spacing from Ray's interval.
+    scraped = windows_for(application="ranker", endpoints=(exporter.url,), export_interval_s=10)
+    assert isinstance(scraped, SnapshotWindows) and scraped.min_interval_s == 9.0
 
 
 def test_scrape_source_with_every_endpoint_down_is_unavailable_not_empty():
