@@ -146,16 +146,30 @@ class PostgresRegistry(SqlRegistry):
     ) -> None:
         super().__init__(clock=clock)
         self._url = url
+        self._configure = _configure_reader if access == "read" else _configure_writer
+        self._connect_timeout_s = connect_timeout_s
         self._pool: ConnectionPool[psycopg.Connection[Row]] = ConnectionPool(
             url,
             min_size=1,
             max_size=pool_size,
             kwargs={"row_factory": dict_row, "autocommit": False},
-            configure=_configure_reader if access == "read" else _configure_writer,
+            configure=self._configure,
+            # A pooled connection the server cut (a restart) is found out on checkout and
+            # replaced, instead of failing the caller's transaction.
+            check=ConnectionPool.check_connection,
             timeout=connect_timeout_s,
             open=False,
             name="registry",
         )
+        # Set when a transaction could not reach the server, cleared when the pool lends a
+        # connection again. The pool reconnects in the background with its own backoff (1,
+        # 2, 4, 8, 16 s: psycopg_pool's, not configurable) and a caller waits for it up to
+        # the connect timeout: every call of an outage waited 10 s, and the first ones after
+        # it up to one backoff step (about 10 s in the e2e outage scenario). Once one call
+        # found the server out of reach, each transaction opens a connection of its own
+        # until the pool has one to lend: refused at once while the server is down, made as
+        # soon as it is back.
+        self._unreachable = False
         try:
             with _map_db_errors(url):
                 # One direct connection first: an unreachable server fails at once with the
@@ -173,9 +187,43 @@ class PostgresRegistry(SqlRegistry):
 
     @contextmanager
     def _transaction(self, *, write: bool) -> Iterator[Tx]:
-        # The pool commits when the block ends normally and rolls back on an exception.
-        with _map_db_errors(self._url), self._pool.connection() as conn:
+        # Both kinds of connection commit when the block ends normally and roll back on an
+        # exception.
+        with _map_db_errors(self._url), self._connection() as conn:
             yield _PostgresTx(conn)
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Row]]:
+        if self._unreachable and not self._pool.get_stats().get("pool_available"):
+            with self._direct_connection() as conn:
+                yield conn
+            return
+        lent: psycopg.Connection[Row] | None = None
+        try:
+            with self._pool.connection() as conn:
+                lent = conn
+                self._unreachable = False
+                yield conn
+        except PoolTimeout:
+            self._unreachable = True
+            raise
+        except psycopg.OperationalError:
+            # Only a lost connection, not a statement the server cancelled.
+            if lent is None or lent.broken:
+                self._unreachable = True
+            raise
+
+    @contextmanager
+    def _direct_connection(self) -> Iterator[psycopg.Connection[Row]]:
+        conn = psycopg.connect(
+            self._url,
+            connect_timeout=max(2, round(self._connect_timeout_s)),
+            row_factory=dict_row,
+            autocommit=False,
+        )
+        with conn:  # commits or rolls back, then closes
+            self._configure(conn)
+            yield conn
 
     def _has_schema_table(self, tx: Tx) -> bool:
         row = tx.one("SELECT to_regclass('schema_version') IS NOT NULL AS found")
