@@ -120,6 +120,10 @@ FAST_PLAN: dict[str, Any] = {
     },
     "canary_scaling": {"min_replicas": 1, "max_replicas": 1, "idle_replicas": 1},
 }
+# For a rollout whose assertions are about what it serves and what promotion leaves (another
+# family, a head swap), not about its steps: one step at 50% (both cohorts judged, about 7 s
+# of a run), then promotion.
+ONE_STEP_PLAN: dict[str, Any] = {**FAST_PLAN, "steps": [50]}
 
 
 # ====================================================================== requests and traffic

@@ -18,7 +18,7 @@ from app.models.ranker_mlp import RANKER_MLP
 from app.polling import wait_until
 from app.request_bodies import rank_bodies
 from tests.e2e.harness import (
-    FAST_PLAN,
+    ONE_STEP_PLAN,
     Cluster,
     RolloutApp,
     RolloutEnv,
@@ -79,7 +79,7 @@ def test_answers_name_the_head_and_its_backbone(env: RolloutEnv) -> None:
 def test_a_head_only_rollout_swaps_the_head_in_place_under_load(env: RolloutEnv) -> None:
     run = env.traffic()
     wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
-    env.start(HEADS_APP.candidate, FAST_PLAN)  # the plan says shift
+    env.start(HEADS_APP.candidate, ONE_STEP_PLAN)  # the plan says shift
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
     records = run.stop()
 
@@ -104,7 +104,7 @@ def test_a_head_only_rollout_swaps_the_head_in_place_under_load(env: RolloutEnv)
 def test_a_head_on_another_backbone_promotes_by_the_plan(env: RolloutEnv) -> None:
     run = env.traffic()
     wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
-    env.start("head-c", FAST_PLAN)
+    env.start("head-c", ONE_STEP_PLAN)
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
     records = run.stop()
 

@@ -66,7 +66,8 @@ def test_full_rollout_promoted_in_place_under_load(rollout_env: RolloutEnv) -> N
 
 def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: RolloutEnv) -> None:
     env = rollout_env
-    plan = {**FAST_PLAN, "gates": {"pause_before_steps": [50]}}
+    # Held at 20%; after the resume one step (50%) and promotion: the end is all it asserts.
+    plan = {**FAST_PLAN, "steps": [20, 50], "gates": {"pause_before_steps": [50]}}
     run = env.traffic()
     env.start(CANDIDATE, plan)
     held = env.wait_for_phase("paused", timeout=90)

@@ -16,7 +16,7 @@ from app.models.two_tower.features import FEATURE_SCHEMA as TWO_TOWER_SCHEMA
 from app.models.two_tower.features import SCHEMA
 from app.polling import wait_until
 from tests.e2e.harness import (
-    FAST_PLAN,
+    ONE_STEP_PLAN,
     Cluster,
     RolloutApp,
     RolloutEnv,
@@ -74,7 +74,7 @@ def test_a_rollout_of_the_two_tower_family_promotes_under_load(tt_env: RolloutEn
     run = env.traffic()
     wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
     started = run.now_s()
-    env.start(TWO_TOWER_APP.candidate, FAST_PLAN)
+    env.start(TWO_TOWER_APP.candidate, ONE_STEP_PLAN)
     view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
     records = run.stop()
 
