@@ -197,6 +197,9 @@ class PostgresRegistry(SqlRegistry):
         if self._unreachable and not self._pool.get_stats().get("pool_available"):
             with self._direct_connection() as conn:
                 yield conn
+            # The server answers: have the pool grow again if it has stopped trying (it gives
+            # up reconnecting after five minutes; a no-op while it is still at it).
+            self._pool.check()
             return
         lent: psycopg.Connection[Row] | None = None
         try:
