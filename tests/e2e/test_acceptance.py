@@ -764,7 +764,7 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
     )
     server.start()
     s.mark("registry back")
-    # This process's own pool held connections the restart cut: reads fail until replaced.
+    # Up once pg_ctl's start returns; the first reads may still go to a pool that reconnects.
     s.when.wait_until("registry answering again", lambda: pg.list_targets("ranker", "default"))
     s.when.wait_for_phase("paused", timeout=240)  # resumed: step 20% judged
     s.when.command("abort", "acceptance: done").wait_for_finish().stop_traffic()
