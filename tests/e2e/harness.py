@@ -389,6 +389,31 @@ def session_cluster(work: Path) -> Iterator[Cluster]:
         os.environ.pop(FAULT_INJECTION_ENV, None)
 
 
+def add_application(control: ServeControl, application: dict[str, Any]) -> None:
+    """``application`` added to the declarative config (the other apps as they are) and
+    RUNNING."""
+    name = application["name"]
+    control.update(lambda config: config["applications"].append(application))
+    wait_until(
+        lambda: control.app_status(name) == "RUNNING", 180, f"{name} RUNNING", retry_on=(Exception,)
+    )
+
+
+def remove_application(control: ServeControl, name: str) -> None:
+    """The app ``name`` out of the declarative config, and gone."""
+    control.update(
+        lambda config: config.update(
+            applications=[a for a in config["applications"] if a["name"] != name]
+        )
+    )
+    wait_until(
+        lambda: name not in (control.details().get("applications") or {}),
+        120,
+        f"{name} deleted",
+        retry_on=(Exception,),
+    )
+
+
 def deploy_ranker_app(cluster: Cluster) -> None:
     """The ``ranker`` app RUNNING at ``/`` and its router ready. Deployed when the first test
     that uses it starts, not with the cluster: idle, its replicas' reports and the router's
@@ -399,13 +424,7 @@ def deploy_ranker_app(cluster: Cluster) -> None:
         "import_path": "deployments.app:build_app",
         "args": app_args(cluster.work, cluster.demo),
     }
-    cluster.rest.update(lambda config: config["applications"].append(application))
-    wait_until(
-        lambda: cluster.rest.app_status(APP) == "RUNNING",
-        180,
-        f"{APP} RUNNING",
-        retry_on=(Exception,),
-    )
+    add_application(cluster.rest, application)
     wait_until(
         lambda: httpx.get(f"{cluster.http_url}/readyz", timeout=5).status_code == 200,
         60,
@@ -549,13 +568,7 @@ def rollout_application(
             **app.args,
         },
     }
-    control.update(lambda config: config["applications"].append(application))
-    wait_until(
-        lambda: (control.details()["applications"].get(app.name) or {}).get("status") == "RUNNING",
-        180,
-        f"{app.name} RUNNING",
-        retry_on=(Exception,),
-    )
+    add_application(control, application)
     settings = ControllerSettings(
         registry_url=registry_url,
         dashboard_url=cluster.dashboard_url,
@@ -577,17 +590,7 @@ def rollout_application(
         handle = get_controller(app.controller)
         if handle is not None:
             ray.kill(handle, no_restart=True)
-        control.update(
-            lambda config: config.update(
-                applications=[a for a in config["applications"] if a["name"] != app.name]
-            )
-        )
-        wait_until(
-            lambda: app.name not in (control.details().get("applications") or {}),
-            120,
-            f"{app.name} deleted",
-            retry_on=(Exception,),
-        )
+        remove_application(control, app.name)
         control.close()
         registry.close()
 
@@ -692,18 +695,9 @@ def standby_application(cluster: Cluster, router: dict[str, Any]) -> Iterator[St
         },
     }
     control = cluster.rest
-    control.update(lambda config: config["applications"].append(app))
     env = StandbyEnv(cluster, cluster.http_url + STANDBY_PREFIX, router)
     try:
-        wait_until(
-            lambda: (
-                (control.details()["applications"].get(STANDBY_APP) or {}).get("status")
-                == "RUNNING"
-            ),
-            180,
-            f"{STANDBY_APP} RUNNING",
-            retry_on=(Exception,),
-        )
+        add_application(control, app)
         wait_until(
             lambda: env.standby()["ready"] and env.status()["cohorts"][0]["serving"],
             60,
@@ -712,14 +706,4 @@ def standby_application(cluster: Cluster, router: dict[str, Any]) -> Iterator[St
         )
         yield env
     finally:
-        control.update(
-            lambda config: config.update(
-                applications=[a for a in config["applications"] if a["name"] != STANDBY_APP]
-            )
-        )
-        wait_until(
-            lambda: STANDBY_APP not in (control.details().get("applications") or {}),
-            120,
-            f"{STANDBY_APP} deleted",
-            retry_on=(Exception,),
-        )
+        remove_application(control, STANDBY_APP)
