@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Final, Literal, NamedTuple, Self, overload
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, Self, overload
 
-import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -33,6 +32,9 @@ from pydantic import (
 
 from app.errors import ConfigError
 from app.model_family import DEFAULT_FAMILIES
+
+if TYPE_CHECKING:  # WireRequest's arrays: numpy is the replica's and the router's, not the CLI's
+    import numpy as np
 
 # --------------------------------------------------------------------------- vocabulary
 

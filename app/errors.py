@@ -22,6 +22,8 @@ Hierarchy::
     │   ├── ConsistencyError            same revision observed with a different artifact
     │   ├── RegistryUnavailable         the database cannot be reached or stays locked: retry
     │   └── SchemaVersionError          database schema newer than this code knows
+    ├── ServeControlError               Serve's REST API refused or failed a config call
+    │   └── ServeUnreachable            the dashboard did not answer, or a 5xx: retry
     └── ConfigError                     invalid configuration or plan (names the field)
 """
 
@@ -134,3 +136,15 @@ class RegistryUnavailable(RegistryError):
 
 class SchemaVersionError(RegistryError):
     category = "registry.schema_version"
+
+
+class ServeControlError(RolloutSystemError):
+    """Serve's declarative config (the dashboard's REST API) refused or failed a call."""
+
+    category = "serve.control"
+
+
+class ServeUnreachable(ServeControlError):
+    """The dashboard did not answer, or answered that it cannot now (5xx): try again."""
+
+    category = "serve.unavailable"

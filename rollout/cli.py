@@ -9,6 +9,7 @@ gives up after ``--timeout`` seconds (exit 7).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -66,9 +67,8 @@ from rollout.exit_codes import (
     exit_code_for,
     exit_code_for_phase,
 )
-from rollout.status_view import render_status, standby_lines
 
-if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the cache
+if TYPE_CHECKING:  # imported where used: the CLI starts without torch, the cache or rich
     from app.cache import ArtifactCache, VerifiedArtifact
     from app.contracts import ExpectedDivergence
     from app.loader import CandidateLoad, LoadedModel
@@ -96,7 +96,24 @@ def _sha256_option(_ctx: click.Context, _param: click.Parameter, value: str) -> 
     return value.lower()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The CLI's commands; those of modules with heavy imports are imported when named (the
+    demo's, with the artifact store's HTTP clients, would cost every other command a fifth of
+    a second: CI scripts and shells call this binary often)."""
+
+    LAZY: Final = {"demo": ("rollout.demo", "demo_command")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY and cmd_name not in self.commands:
+            module, attribute = self.LAZY[cmd_name]
+            self.add_command(getattr(importlib.import_module(module), attribute), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Zero-downtime model rollouts on Ray Serve."""
 
@@ -758,6 +775,8 @@ def _show(payload: dict[str, Any], as_json: bool, view: type[RolloutSummary]) ->
     if as_json:
         emit(payload)
     else:
+        from rollout.status_view import render_status
+
         click.echo(render_status(view.model_validate(payload)))
 
 
@@ -953,6 +972,8 @@ def status_command(
                 click.echo("\x1b[2J\x1b[H", nl=False)
             elif watch and not first:
                 click.echo("")
+            from rollout.status_view import render_status
+
             click.echo(render_status(view, now=time.time()))
         first = False
         if not watch or not view.rollout or view.finished:
@@ -1146,6 +1167,8 @@ def standby_command(
     if as_json:
         emit(view.model_dump(mode="json"))
     else:
+        from rollout.status_view import standby_lines
+
         click.echo("\n".join(terminal_safe(line) for line in standby_lines(view)))
 
 
@@ -1187,9 +1210,6 @@ def _register_subcommands() -> None:
     except ImportError:  # pragma: no cover - during bootstrap only
         return
     cli.add_command(registry_group, "registry")
-    from rollout.demo import demo_command
-
-    cli.add_command(demo_command, "demo")
 
 
 _register_subcommands()

@@ -19,9 +19,9 @@ from app.errors import (
     RegistryUnavailable,
     RevisionConflict,
     RolloutSystemError,
+    ServeUnreachable,
 )
 from rollout.cluster import ClusterUnreachable
-from rollout.serve_control import ServeUnreachable
 
 EXIT_OK: Final = 0
 EXIT_UNEXPECTED: Final = 1  # anything else

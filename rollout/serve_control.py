@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import httpx
 
-from app.errors import RolloutSystemError
+from app.errors import ServeControlError, ServeUnreachable
 from app.polling import WaitTimeout, wait_until
 
 APPLICATIONS_PATH: Final = "/api/serve/applications/"
@@ -34,16 +34,6 @@ _HTTP_OPTION_KEYS: Final = (
     "request_timeout_s",
     "keep_alive_timeout_s",
 )
-
-
-class ServeControlError(RolloutSystemError):
-    category = "serve.control"
-
-
-class ServeUnreachable(ServeControlError):
-    """The dashboard did not answer, or answered that it cannot now (5xx): try again."""
-
-    category = "serve.unavailable"
 
 
 def resolve_auth_token() -> str | None:

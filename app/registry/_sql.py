@@ -24,7 +24,6 @@ from importlib import resources
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
-from app.artifact_store import fetch_manifest
 from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
 from app.errors import (
     ArtifactRejected,
@@ -341,6 +340,10 @@ class SqlRegistry(ABC):
         digest = manifest_sha256.strip().lower()
         if not is_sha256_hex(digest):
             raise ValueError(f"manifest sha256 must be 64 hex characters, got {manifest_sha256!r}")
+        # Imported here: the object-store clients (aiohttp, fsspec) cost every reader of the
+        # registry (each `rollout registry ...` call) a fifth of a second otherwise.
+        from app.artifact_store import fetch_manifest
+
         # Outside the transaction: reading the manifest may be a network round trip.
         manifest = fetch_manifest(manifest_uri, digest)
         if accept is not None:

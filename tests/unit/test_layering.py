@@ -142,3 +142,16 @@ def test_importing_every_unit_test_module_loads_no_ray() -> None:
 def test_the_shared_conftest_loads_no_torch_and_no_ray() -> None:
     bad = set(loaded_after_import("tests.conftest")) & {"torch", "ray"}
     assert not bad, f"tests/conftest.py loads {sorted(bad)}"
+
+
+# ------------------------------------------------------------------------- the binary's start
+# Scripts, CI gates and shells call `rollout` often: a command that reads the registry or
+# talks to the controller starts without torch, Ray, the object-store clients (aiohttp,
+# fsspec), numpy or rich; each is imported by the commands that use it.
+CLI_MUST_NOT_LOAD = ("torch", "ray", "aiohttp", "fsspec", "numpy", "rich", "httpx")
+
+
+def test_the_cli_and_the_registry_start_without_heavy_imports() -> None:
+    loaded = set(loaded_after_import("rollout.cli", "app.registry.sqlite"))
+    bad = loaded & set(CLI_MUST_NOT_LOAD)
+    assert not bad, f"importing rollout.cli and the registry loads {sorted(bad)}"
