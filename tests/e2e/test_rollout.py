@@ -23,52 +23,28 @@ from tests.e2e.harness import BASELINE, CANDIDATE, FAST_PLAN, RolloutEnv, failed
 pytestmark = pytest.mark.e2e
 
 
-def test_full_rollout_promoted_in_place_under_load(rollout_env: RolloutEnv) -> None:
-    """Stable swaps in place while it still carries half the traffic: the controller must
-    see, from the replicas' reports, that the candidate fits beside the resident model.
-    (Promotion by shift, FAST_PLAN's, is tests/e2e/test_acceptance.py's first scenario, with
-    the same assertions.)"""
+def test_controller_killed_mid_rollout_resumes_and_promotes_in_place(
+    rollout_env: RolloutEnv,
+) -> None:
+    """Held at 20%, the controller crashes twice (once for good: the next command starts one
+    that resumes from the registry; once restarted by Ray) and each new one resumes at the same
+    step. Resumed, the rollout takes its last step (50%) and promotes in place: stable swaps
+    while it still carries half the traffic, so the controller must see, from the replicas'
+    reports, that the candidate fits beside the resident model. (Promotion by shift, FAST_PLAN's,
+    is tests/e2e/test_acceptance.py's first scenario, with the same assertions.)"""
     env = rollout_env
     stable_ids = env.replica_ids("stable")
     audited = env.registry.history("ranker", "default", limit=1)[0].id  # the app is shared
+    promotion = "in_place"
+    plan = {
+        **FAST_PLAN,
+        "steps": [20, 50],
+        "gates": {"pause_before_steps": [50]},
+        "promotion": promotion,
+    }
     run = env.traffic()
     wait_until(lambda: len(run.records) >= 20, 60, "traffic flowing")
     started = run.now_s()
-    promotion = "in_place"
-    env.start(CANDIDATE, {**FAST_PLAN, "steps": [20, 50], "promotion": promotion})
-    view = env.wait_for_phase("succeeded", "rolled_back", "failed", finished=True, timeout=150)
-    records = run.stop()
-
-    assert view["phase"] == "succeeded", (view["reason"], view["verdicts"], view["events"])
-    assert not failed(records), failed(records)[:5]
-    assert env.stable_target() == CANDIDATE
-    # Promotion moved stable by hot swap: the same replicas, now answering from v42.
-    assert env.replica_ids("stable") == stable_ids
-    assert {r.artifact_id for r in records if r.start_s > run.now_s() - 1} <= {CANDIDATE}
-    canary_answers = [r for r in records if r.start_s > started and r.cohort == "canary"]
-    assert canary_answers and {r.artifact_id for r in canary_answers} == {CANDIDATE}
-    # Every target change went through the registry with an audit row: stable's promotion
-    # in this rollout, and each canary generation that answered (an earlier rollout of v42 in
-    # the session may have published the canary target this one found in place).
-    history = env.registry.history("ranker", "default", limit=1000)
-    assert any(
-        h.cohort == "stable" and h.new_artifact_id == CANDIDATE and h.id > audited for h in history
-    )
-    published = {(h.new_artifact_id, h.new_revision) for h in history if h.cohort == "canary"}
-    assert {(r.artifact_id, r.revision) for r in canary_answers} <= published
-    events = [e["event"] for e in view["events"]]
-    assert "finished" in events
-    record = env.registry.list_rollouts("ranker", "default", limit=1)[0]
-    assert record.phase == "succeeded" and not record.active
-    said = [e["message"] for e in record.state["events"] if e["event"] == "promoting"]
-    assert said == [f"promoting {CANDIDATE} by {promotion}"], record.state["events"]
-
-
-def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: RolloutEnv) -> None:
-    env = rollout_env
-    # Held at 20%; after the resume one step (50%) and promotion: the end is all it asserts.
-    plan = {**FAST_PLAN, "steps": [20, 50], "gates": {"pause_before_steps": [50]}}
-    run = env.traffic()
     env.start(CANDIDATE, plan)
     held = env.wait_for_phase("paused", timeout=90)
     assert held["weights"]["canary_bp"] == 2000 and held["pending_gate"]
@@ -101,6 +77,27 @@ def test_controller_killed_mid_rollout_resumes_at_the_same_step(rollout_env: Rol
     records = run.stop()
     assert view["phase"] == "succeeded", (view["reason"], view["verdicts"], view["events"])
     assert not failed(records), failed(records)[:5]
+    assert env.stable_target() == CANDIDATE
+    # Promotion moved stable by hot swap: the same replicas, now answering from v42.
+    assert env.replica_ids("stable") == stable_ids
+    assert {r.artifact_id for r in records if r.start_s > run.now_s() - 1} <= {CANDIDATE}
+    canary_answers = [r for r in records if r.start_s > started and r.cohort == "canary"]
+    assert canary_answers and {r.artifact_id for r in canary_answers} == {CANDIDATE}
+    # Every target change went through the registry with an audit row: stable's promotion
+    # in this rollout, and each canary generation that answered (an earlier rollout of v42 in
+    # the session may have published the canary target this one found in place).
+    history = env.registry.history("ranker", "default", limit=1000)
+    assert any(
+        h.cohort == "stable" and h.new_artifact_id == CANDIDATE and h.id > audited for h in history
+    )
+    published = {(h.new_artifact_id, h.new_revision) for h in history if h.cohort == "canary"}
+    assert {(r.artifact_id, r.revision) for r in canary_answers} <= published
+    events = [e["event"] for e in view["events"]]
+    assert "finished" in events
+    record = env.registry.list_rollouts("ranker", "default", limit=1)[0]
+    assert record.phase == "succeeded" and not record.active
+    said = [e["message"] for e in record.state["events"] if e["event"] == "promoting"]
+    assert said == [f"promoting {CANDIDATE} by {promotion}"], record.state["events"]
 
 
 def test_registry_conflict_stops_the_rollout_without_overwriting(rollout_env: RolloutEnv) -> None:
@@ -144,14 +141,35 @@ def test_candidate_that_fails_its_dry_run_fails_the_rollout(
     assert env.stable_target() == BASELINE
 
 
-def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
+ROLLOUT = str(Path(sys.executable).with_name("rollout"))
+HANG_GUARD_S = 120
+
+
+def rollout_binary(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The installed ``rollout`` binary, attached to this session's cluster by address (but
+    ``history``, which reads the registry alone); the test cluster has token auth on (Ray's
+    default for a new local cluster)."""
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [ROLLOUT, *args, *(("--address", address) if args[0] != "history" else ())],
+        cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv, tmp_path: Path) -> None:
+    """The operator's rollback, typed as a user types it (the installed binary, attaching to
+    the cluster by address), moves every client to stable at once."""
     env = rollout_env
     plan = {**FAST_PLAN, "gates": {"pause_before_steps": [50]}}
     run = env.traffic(rate=40)
     env.start(CANDIDATE, plan)
     env.wait_for_phase("paused", timeout=90)
     asked = run.now_s()
-    env.command("rollback", "operator saw something")
+    done = rollout_binary("rollback", "--reason", "operator saw something", cwd=tmp_path)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     view = env.wait_for_phase("rolled_back", finished=True, timeout=60)
 
     def all_stable_since(records: list) -> float | None:
@@ -188,8 +206,6 @@ def test_operator_rollback_is_weights_first(rollout_env: RolloutEnv) -> None:
 # attaching to the cluster by address). Who gave each command and why lands in the rollout's
 # events, and `rollout status --watch` ends with the rollout's outcome as its exit code (CI
 # gates on it). One rollout, held at a gate, carries both (each had its own before).
-ROLLOUT = str(Path(sys.executable).with_name("rollout"))
-HANG_GUARD_S = 120
 
 
 def test_operator_commands_in_process_and_by_the_binary_record_who_and_why(
@@ -202,9 +218,6 @@ def test_operator_commands_in_process_and_by_the_binary_record_who_and_why(
     env = rollout_env
     env.controller  # noqa: B018 - make sure it runs (the CLI attaches to it)
     db = ["--db", env.settings.registry_url]
-    address = ray.get_runtime_context().gcs_address
-    # The test cluster has token auth on (Ray's default for a new local cluster).
-    child_env = {**os.environ, "RAY_AUTH_MODE": "token"}
 
     def in_process(*argv: str) -> tuple[int, str, str]:
         code = main(list(argv))
@@ -212,13 +225,7 @@ def test_operator_commands_in_process_and_by_the_binary_record_who_and_why(
         return code, out, err
 
     def binary(*args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [ROLLOUT, *args, *(("--address", address) if args[0] != "history" else ())],
-            cwd=tmp_path, capture_output=True,
-            text=True, timeout=HANG_GUARD_S, check=False, env=child_env,
-        )  # fmt: skip
-        assert "Traceback" not in done.stderr, done.stderr
-        return done
+        return rollout_binary(*args, cwd=tmp_path)
 
     code, out, err = in_process("pause", *db)
     assert code == 5 and "no rollout" in err, (code, out, err)
