@@ -12,14 +12,14 @@ neighbour, when the window's tail is so thin that the edge tolerance reaches it:
 Why there is a tolerance at all (the two sources read the same counters): the router flushes
 its counts and Ray exports them once per ``metrics_report_interval_ms`` (1 s here), so the
 endpoint's value moves in steps of about one interval's traffic. The direct source reads the
-step in force at t0 and at t1; Prometheus samples every second and ``increase()`` extrapolates
-linearly from the first/last sample inside the range to its edges. Each edge can therefore be
-off by up to one export step of that series, plus rounding. The direct source snapshots once
-per export step around and through the window, so each edge's step is measured
-(``edge_allowance``) rather than assumed from the window's average rate: diverted requests
-and slow ones come in bursts. Exact equality of error counts is not to be had under steady load
-for the same reason; the set of error outcomes per cohort must be equal (a starved machine may
-add stable timeouts: counted alike).
+step in force at t0 and at t1; Prometheus samples every ``SCRAPE_INTERVAL_S`` and ``increase()``
+extrapolates linearly from the first/last sample inside the range to its edges. Each edge can
+therefore be off by up to ``EDGE_STEPS`` export steps of that series, plus rounding. The
+direct source snapshots once per export step around and through the window, so each edge's
+steps are measured (``edge_allowance``) rather than assumed from the window's average rate:
+diverted requests and slow ones come in bursts. Exact equality of error counts is not to be
+had under steady load for the same reason; the set of error outcomes per cohort must be equal
+(a starved machine may add stable timeouts: counted alike).
 The test prints its numbers (and how Prometheus' scrapes went) on every run.
 """
 
@@ -62,6 +62,13 @@ CANARY_ERROR_RATE = 0.15  # fraction of canary rank calls that fail (then fail o
 WINDOW_S = 20.0
 LOAD_RATE = 40.0  # requests/s, open loop
 EXPORT_INTERVAL_S = 1.0  # the session cluster's metrics_report_interval_ms (LocalCluster's)
+# Prometheus scrapes every 2 s with a 2 s timeout (it may not exceed the interval). Late in a
+# session the node's export holds the series of every replica the session started, and on a
+# busy machine Ray's agent took over a second to render it: at 1 s, 19 of a window's 22
+# scrapes timed out in one CI run and increase() had 3 samples to go on.
+SCRAPE_INTERVAL_S = 2.0
+# Export steps at each edge that Prometheus' first or last sample in the range may be off by.
+EDGE_STEPS = math.ceil(SCRAPE_INTERVAL_S / EXPORT_INTERVAL_S)
 # Half a count of rounding per source.
 ROUNDING = 1
 
@@ -184,9 +191,9 @@ def edge_allowance(
 ) -> float:
     """How far the two sources may disagree on ``measure`` of ``cohort`` over the window
     between snapshots ``first`` and ``last``: at each edge, what the series moved in the
-    export step before or after it (the larger), plus rounding. Measured, not assumed from
-    the window's average rate: the router's breaker diverts in bursts, and slow requests come
-    together, so one step at an edge can hold several times its share."""
+    ``EDGE_STEPS`` export steps before or after it (the larger), plus rounding. Measured, not
+    assumed from the window's average rate: the router's breaker diverts in bursts, and slow
+    requests come together, so one step at an edge can hold several times its share."""
 
     def step(a: int, b: int) -> float:
         increases = window_increase(taken[a], taken[b])
@@ -194,7 +201,7 @@ def edge_allowance(
 
     allowance = ROUNDING
     for edge in (first, last):
-        allowance += max(step(edge - 1, edge), step(edge, edge + 1))
+        allowance += max(step(edge - EDGE_STEPS, edge), step(edge, edge + EDGE_STEPS))
     return allowance
 
 
@@ -220,7 +227,7 @@ def test_promql_source_agrees_with_the_direct_scrape(
 
     scrape = RecordingScrape(lambda: [cluster.metrics_url], application=APP)
     direct = SnapshotWindows(scrape)
-    with running_server(sd_file) as server:
+    with running_server(sd_file, scrape_interval_s=SCRAPE_INTERVAL_S) as server:
         promql = PromQLSource(server.url, application=APP)
         try:
             # The discovery manager hands new targets to the scraper at most every 5 s.
@@ -242,18 +249,20 @@ def test_promql_source_agrees_with_the_direct_scrape(
                 errors_series = (
                     f'{REQUESTS_SERIES}{{application="{APP}",cohort="canary",outcome="error"}}'
                 )
+                held = round(4 * SCRAPE_INTERVAL_S + 1)  # four scrapes' span, and a second
                 wait_until(
-                    lambda: prom_scalar(promql, f"count_over_time({errors_series}[5s])") >= 4,
+                    lambda: prom_scalar(promql, f"count_over_time({errors_series}[{held}s])") >= 4,
                     60,
-                    "canary error series scraped by Prometheus for 4 s",
+                    "canary error series in four of Prometheus' scrapes",
                     retry_on=(Exception,),
                 )
-                # One direct snapshot per export step, from a step before t0 to a step
+                # One direct snapshot per export step, from EDGE_STEPS before t0 to EDGE_STEPS
                 # after t1: the steps around each edge measure how much the two sources'
                 # edges may differ (edge_allowance).
                 direct.observe()
-                time.sleep(EXPORT_INTERVAL_S)
-                direct.observe()
+                for _ in range(EDGE_STEPS):
+                    time.sleep(EXPORT_INTERVAL_S)
+                    direct.observe()
                 first = len(scrape.taken) - 1  # the snapshot at t0
                 answers_at_t0 = len(load.records)
                 opened = time.time()
@@ -262,8 +271,9 @@ def test_promql_source_agrees_with_the_direct_scrape(
                     direct.observe()
                 last = len(scrape.taken) - 1  # the snapshot at t1
                 answers_in_window = len(load.records) - answers_at_t0
-                time.sleep(EXPORT_INTERVAL_S)
-                direct.observe()
+                for _ in range(EDGE_STEPS):
+                    time.sleep(EXPORT_INTERVAL_S)
+                    direct.observe()
                 non_2xx = sum(1 for a in load.records[answers_at_t0:] if not 200 <= a.status < 300)
                 t0, t1 = scrape.taken[first].taken_at, scrape.taken[last].taken_at
                 window = direct.window_between(t0, t1)
