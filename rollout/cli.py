@@ -97,11 +97,14 @@ def _sha256_option(_ctx: click.Context, _param: click.Parameter, value: str) -> 
 
 
 class _Commands(click.Group):
-    """The CLI's commands; those of modules with heavy imports are imported when named (the
-    demo's, with the artifact store's HTTP clients, would cost every other command a fifth of
-    a second: CI scripts and shells call this binary often)."""
+    """The CLI's commands; the groups that live in modules of their own are imported when
+    named (the demo's, with the artifact store's HTTP clients, would cost every other command a
+    fifth of a second: CI scripts and shells call this binary often)."""
 
-    LAZY: Final = {"demo": ("rollout.demo", "demo_command")}
+    LAZY: Final = {
+        "demo": ("rollout.demo", "demo_command"),
+        "registry": ("rollout.registry_cli", "registry_group"),
+    }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
@@ -957,6 +960,8 @@ def status_command(
     as_json: bool,
 ) -> None:
     """Phase, step, weights, per-cohort traffic, verdicts, replicas, events."""
+    from rollout.status_view import render_status
+
     handle = _running_controller(address, timeout_s)
     # Clearing the screen is for a person at a terminal; a log or a pipe gets each view in
     # turn, separated by a blank line.
@@ -972,8 +977,6 @@ def status_command(
                 click.echo("\x1b[2J\x1b[H", nl=False)
             elif watch and not first:
                 click.echo("")
-            from rollout.status_view import render_status
-
             click.echo(render_status(view, now=time.time()))
         first = False
         if not watch or not view.rollout or view.finished:
@@ -1201,18 +1204,6 @@ def history_command(db_url: str | None, model: str, env: str, limit: int, as_jso
         for event in events[-3:]:
             at = datetime.fromtimestamp(float(event.get("at") or 0), UTC)
             click.echo(terminal_safe(f"    {at:%H:%M:%S} {event['event']}: {event['message']}"))
-
-
-def _register_subcommands() -> None:
-    """Command groups that live in their own modules."""
-    try:
-        from rollout.registry_cli import registry_group
-    except ImportError:  # pragma: no cover - during bootstrap only
-        return
-    cli.add_command(registry_group, "registry")
-
-
-_register_subcommands()
 
 
 # Environment variables whose values may carry credentials (a registry URL, an address).
