@@ -32,7 +32,14 @@ from app.registry import open_registry
 from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
 from rollout.exit_codes import exit_code_for_phase
 from rollout.multinode import MultiNodeCluster, multinode_cluster
-from tests.e2e.harness import FAST_PLAN, Sampler, failed, retrying_clients, steady_traffic
+from tests.e2e.harness import (
+    FAST_PLAN,
+    QUICK_HEALTH_CHECKS,
+    Sampler,
+    failed,
+    retrying_clients,
+    steady_traffic,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multinode]
 
@@ -196,8 +203,9 @@ def mn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeEnv]:
                             "num_replicas": 2,
                             "num_cpus": 0.2,
                             "target": stable.target().model_dump(mode="json"),
+                            **QUICK_HEALTH_CHECKS,
                         },
-                        "canary": {"num_replicas": 2, "num_cpus": 0.2},
+                        "canary": {"num_replicas": 2, "num_cpus": 0.2, **QUICK_HEALTH_CHECKS},
                         "router": {
                             "probe_interval_s": 0.5,
                             "request_timeout_s": 10.0,
