@@ -15,7 +15,7 @@
   the node's metrics export, which the controller and Ray's agent go through on every scrape;
   the export's growth itself was not measured).
 - ``rollout_env`` (per test): ``env`` with stable on the baseline and no rollout running, at
-  the start and at the end.
+  the start and at the end (the undos a test deferred to the next user of the app run first).
 - ``scenario`` (per test): a tests/e2e/dsl.py ``Scenario`` on ``rollout_env``, closed (its
   cleanups run, its account printed) at the end.
 """
@@ -77,9 +77,17 @@ def uses_the_session_rollout_app(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules on the session's ``rollout-e2e`` app first, in their order (a module stays in
-    one piece: its module-scoped fixtures are set up once)."""
+    one piece: its module-scoped fixtures are set up once), except that those whose module
+    sets ``CHANGES_THE_SHARED_APP`` come last among them: the restart that undoes their change
+    (``RolloutEnv.restore_before_next_use``) is then paid only when a later test asks for the
+    app."""
     shared = {item.module for item in items if uses_the_session_rollout_app(item)}
-    items.sort(key=lambda item: item.module not in shared)
+    items.sort(
+        key=lambda item: (
+            item.module not in shared,
+            bool(getattr(item.module, "CHANGES_THE_SHARED_APP", False)),
+        )
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -96,6 +104,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.fixture
 def rollout_env(env: RolloutEnv) -> Iterator[RolloutEnv]:
+    env.restore_if_changed()
     assert env.stable_target() == BASELINE
     yield env
     reset_rollout(env)

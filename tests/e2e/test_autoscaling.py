@@ -1,5 +1,6 @@
 """Serve's autoscaling under a rollout, on the session cluster's ``rollout-e2e`` application
-switched to ``autoscaling_config`` for the scenario (and back to fixed sizes after it):
+switched to ``autoscaling_config`` for the scenario (and back to fixed sizes before the next
+test on the app, if any):
 
 - the idle canary pool holds no replica; the rollout raises the autoscaler's floor before any
   traffic and lowers it back to 0 at the end, and the pool goes back to no replica;
@@ -21,6 +22,11 @@ from tests.e2e.dsl import Scenario, plan
 from tests.e2e.harness import BASELINE, CANDIDATE, ROLLOUT_APP, RolloutEnv, failed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.autoscaling]
+
+# The sizes go back to fixed ones only when a later test uses the app (tests/e2e/conftest.py
+# runs this module last on it): switching back restarts every replica, and at the end of the
+# modules on the shared app it would be paid for nothing.
+CHANGES_THE_SHARED_APP = True
 
 # The autoscaler's decisions at test speed (Serve's defaults wait 30 s to scale up and 10
 # minutes to scale down).
@@ -85,7 +91,7 @@ def test_autoscaled_pools_scale_with_the_rollout_and_the_load(scenario: Scenario
               "downscale_delay_s": 10, **QUICK}  # fmt: skip
     sized(env, {"canary": {"autoscaling_config": canary},
                 "stable": {"autoscaling_config": stable}})  # fmt: skip
-    s.on_cleanup("fixed sizes again", fixed_sizes)
+    env.restore_before_next_use("fixed sizes again", fixed_sizes)
     running_again(s, "autoscaled")
     # As configs/serve.yaml says for a canary that idles at zero: a probe would start one.
     router_probes_idle_canary(False)
