@@ -329,9 +329,10 @@ ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 
 
 def test_rollout_standby_shows_the_standby_and_overrides_the_guard(
-    fresh: StandbyEnv, tmp_path: Path
+    fresh: StandbyEnv, cluster: Cluster, tmp_path: Path
 ) -> None:
-    """The installed binary, against the session cluster."""
+    """The installed binary, against the session cluster (with its data-plane ``ranker``
+    app, which has no fallback: ``cluster`` deploys it when this module runs alone)."""
     address = ray.get_runtime_context().gcs_address
     child_env = {**os.environ, "RAY_AUTH_MODE": "token"}
 
