@@ -28,14 +28,11 @@ foreign exception is chained into one (their texts carry the raw URI).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import io
 import logging
 import os
 import posixpath
 import re
-import stat
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -55,6 +52,7 @@ from fsspec.implementations.local import LocalFileSystem
 from app.contracts import FetchConfig, clip_text
 from app.errors import ArtifactRejected, ConfigError, FetchFailed, RolloutSystemError
 from app.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from app.safe_files import UnsafeFile, open_regular
 from app.safe_text import redact_in, redact_uri, terminal_safe
 
 log = logging.getLogger(__name__)
@@ -416,43 +414,17 @@ class _RangedReader(io.RawIOBase):
 
 
 def _open_local_regular(path: str, what: str) -> int:
-    """A descriptor on the regular file at ``path``, never waiting: O_NONBLOCK so that a FIFO
-    (no writer) or a device swapped in after the listing does not block the open; O_NOFOLLOW
-    refuses a symlink; fstat on the descriptor decides, so no swap after the check counts."""
+    """A descriptor on the regular file at ``path`` (app.safe_files: never blocking, no
+    symlink, fstat decides). Missing: ArtifactRejected ``missing``; anything else that cannot
+    be read safely: ``path``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path, what)
     except FileNotFoundError:
         raise ArtifactRejected("missing", f"{what} is missing") from None
+    except UnsafeFile as exc:
+        raise ArtifactRejected("path", str(exc)) from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ArtifactRejected("path", f"{what} is a symlink") from None
         raise ArtifactRejected("path", f"{what} cannot be opened: {exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ArtifactRejected(
-                "path",
-                f"{what} is not a regular file ({_file_kind(mode)})",
-            )
-        # Reads of a regular file never block anyway; blocking reads are what callers expect.
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return kind
-    return "not a file"
 
 
 def _check_http_url(uri: str, shown: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import stat
 from pathlib import Path
 from typing import Final, Literal
 
@@ -25,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from app.errors import ArtifactRejected, ConfigError
+from app.safe_files import UnsafeFile, read_regular
 
 # O_EXCL: never through an existing file; O_NOFOLLOW (and O_EXCL, which refuses any symlink):
 # never through a symlink planted where the key is to be created.
@@ -45,18 +45,13 @@ def read_key_file(path: Path, what: str, limit: int = MAX_KEY_FILE_BYTES) -> byt
     """The bytes of a key file (or of a CA chain, a trust config: ``limit``): a regular file
     (symlinks followed, as mounted secrets are), of bounded size, opened without blocking so a
     FIFO or device named by mistake (in a user_config's ``trust_key`` too) is refused instead
-    of hanging or filling memory."""
+    of hanging or filling memory (app.safe_files)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular(path, what, limit, follow_symlinks=True)
+    except UnsafeFile:
+        raise ConfigError(f"{what} {path}: not a regular file") from None
     except OSError as exc:
-        raise ConfigError(f"{what} {path}: cannot be opened ({exc.strerror or exc})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{what} {path}: not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(limit + 1)
-    finally:
-        os.close(fd)
+        raise ConfigError(f"{what} {path}: cannot be read ({exc.strerror or exc})") from None
     if len(data) > limit:
         raise ConfigError(f"{what} {path}: larger than {limit} bytes")
     return data

@@ -117,13 +117,20 @@ UNIT_TESTS = ROOT / "tests" / "unit"
 UNIT_MUST_NOT_IMPORT = ("ray", "deployments")
 
 
+def unit_test_files() -> list[Path]:
+    """Every module of the tier, in its subpackages too (they mirror the code's packages)."""
+    return sorted(UNIT_TESTS.rglob("*.py"))
+
+
 def unit_test_modules() -> list[str]:
-    return [f"tests.unit.{p.stem}" for p in sorted(UNIT_TESTS.glob("*.py"))]
+    names = []
+    for path in unit_test_files():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
 
 
-@pytest.mark.parametrize(
-    "path", sorted(UNIT_TESTS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
-)
+@pytest.mark.parametrize("path", unit_test_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_unit_test_source_imports_no_ray_or_serve_shell(path: Path) -> None:
     bad = imported_roots(path.read_text()) & set(UNIT_MUST_NOT_IMPORT)
     assert not bad, (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import app.cache
+import app.cache.artifact_cache
 from app.cache import HIT_READ_ATTEMPTS, ArtifactCache
 from app.errors import FetchFailed
 from app.manifest import MANIFEST_NAME
@@ -30,7 +30,7 @@ def failing_manifest_reads(
 ) -> list[Path]:
     """Make the next ``times`` reads of a cached manifest fail with ``code``; returns the
     paths of the failed reads."""
-    real: Callable[[Path, str, int], bytes] = app.cache.read_regular
+    real: Callable[[Path, str, int], bytes] = app.cache.artifact_cache.read_cached_file
     failed: list[Path] = []
 
     def flaky(path: Path, what: str, limit: int) -> bytes:
@@ -39,7 +39,7 @@ def failing_manifest_reads(
             raise OSError(code, os.strerror(code), str(path))
         return real(path, what, limit)
 
-    monkeypatch.setattr(app.cache, "read_regular", flaky)
+    monkeypatch.setattr(app.cache.artifact_cache, "read_cached_file", flaky)
     return failed
 
 
@@ -111,5 +111,5 @@ def test_a_failure_to_note_the_last_use_does_not_fail_a_hit(
     def read_only_fs(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(app.cache.os, "utime", read_only_fs)
+    monkeypatch.setattr(app.cache.artifact_cache.os, "utime", read_only_fs)
     assert cache.fetch_verified(artifact.manifest_uri, artifact.manifest_sha256).cached
