@@ -2,7 +2,7 @@
 weight: runtime, precision, architecture (its family and version), feature schema, the torch
 range it asks for, the files its runtime and family need.
 
-Kept apart from app.loader so that what reads only manifests (``rollout verify`` without
+Kept apart from app.loading so that what reads only manifests (``rollout verify`` without
 ``--load``, ``rollout registry register``) never imports torch: that import is about two
 seconds of every such command on a small machine, and most of a CLI call's time. The running
 torch's version is read from the installed distribution, which is what ``torch.__version__``
@@ -24,7 +24,7 @@ from app.model_family import SHIPPED_FAMILIES, Families, ModelFamily, families_f
 from app.preprocessing import LABEL_MAPPING_FILE
 
 WEIGHTS_FILES: Final = {"safetensors": "weights.safetensors", "pytorch-state-dict": "weights.pt"}
-# The precisions an artifact may store its weights in (app.loader maps them to torch dtypes).
+# The precisions an artifact may store its weights in (app.loading maps them to torch dtypes).
 PRECISION_NAMES: Final = ("fp32", "fp16", "bf16")
 # manifest.metadata["requires"]["torch"]: a PEP 440 specifier such as ">=2.10,<3".
 TORCH_REQUIREMENT_KEY: Final = ("requires", "torch")

@@ -298,7 +298,7 @@ class LoadingConfig(Contract):
     """How a replica loads its targets, and how a background load shares the host with the
     requests being served."""
 
-    # The CPU share of one core each loading thread may take (app.load_pacing): hashing and
+    # The CPU share of one core each loading thread may take (app.loading.control): hashing and
     # dry-run forwards run in bursts of a few ms with pauses between them. 1 = unpaced. The
     # startup load is never paced: the replica serves nothing until it is done.
     cpu_share: Annotated[float, Field(gt=0, le=1)] = 0.25

@@ -21,9 +21,11 @@ import torch
 
 from app.artifact_store import manifest_uri_for
 from app.cache import ArtifactCache
+from app.compatibility import WEIGHTS_FILES
 from app.contracts import EXPECTED_DIVERGENCE_KEY
 from app.errors import ConfigError
-from app.loader import PRECISIONS, WEIGHTS_FILES, load_verified
+from app.loading.candidate import load_verified
+from app.loading.device import PRECISIONS
 from app.manifest import MANIFEST_NAME, Architecture, ArtifactKind, BackboneRef
 from app.model_family import SHIPPED_FAMILIES, families_for
 from app.models.ranker_mlp.features import FEATURE_NAMES, FEATURE_SCHEMA, NUM_FEATURES

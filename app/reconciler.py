@@ -33,7 +33,6 @@ the real worker with a fake loader.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -41,12 +40,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from queue import SimpleQueue
 from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
 from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
-from app.load_control import LoadCancelled, LoadControl, StageProgress
+from app.loading.control import LoadCancelled, LoadControl, LoweredThread, StageProgress
 from app.safe_text import redact_in, redact_uri
 
 log = logging.getLogger(__name__)
@@ -194,86 +192,6 @@ class ReconcilerSnapshot:
     cancelled: tuple[int, ...] = field(default=())  # revisions whose load was stopped
     progress: StageProgress | None = None  # of the load in progress, if any
     loading: Target | None = None  # the target of that load
-
-
-class LoweredThread:
-    """A thread that lowers its own priority once (``lower_thread_priority``) and then runs
-    the loads handed to it, one at a time, each from the thread that hands it over: kept for
-    the next load of the same priority, so what a thread keeps after its first forward (the
-    math library's per-thread buffers, several MiB on a wide model) is paid once per
-    replica, not again in every swap."""
-
-    def __init__(self, name: str, increment: int, idle: bool) -> None:
-        self._jobs: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
-        self._lowered = threading.Event()
-        self.said = ""
-        self._thread = threading.Thread(
-            target=self._serve, args=(increment, idle), name=name, daemon=True
-        )
-        self._thread.start()
-        self._lowered.wait()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _serve(self, increment: int, idle: bool) -> None:
-        try:
-            self.said = lower_thread_priority(increment, idle=idle)
-        finally:
-            self._lowered.set()
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def run(self, job: Callable[[], None]) -> None:
-        """Run ``job`` there and wait for it; what it raises is raised here."""
-        done = threading.Event()
-        raised: list[BaseException] = []
-
-        def wrapped() -> None:
-            try:
-                job()
-            except Exception as exc:  # re-raised in the caller, which handles failures
-                raised.append(exc)
-            except BaseException:  # as a thread of its own would: logged, the worker goes on
-                log.exception("%s: a load ended with a BaseException", self._thread.name)
-            finally:
-                done.set()
-
-        self._jobs.put(wrapped)
-        done.wait()
-        if raised:
-            raise raised[0]
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-
-def lower_thread_priority(increment: int, *, idle: bool = True) -> str:
-    """Make the calling thread yield the CPU to everything else; says what it did.
-
-    ``idle``: Linux's SCHED_IDLE where allowed (it always is for lowering): any normal thread
-    that wakes preempts it at once, where even niceness 19 still gets a share of a busy core
-    that request threads wait behind.
-
-    Otherwise niceness, relative to the thread's own: Ray starts workers at 15, and an absolute
-    value below that would *raise* the thread's priority wherever that is allowed (as root).
-    Linux keeps both per thread (a thread id is a process id there).
-    """
-    tid = threading.get_native_id()
-    if idle and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return "SCHED_IDLE"
-        except OSError:
-            pass
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, tid)
-        wanted = min(19, current + increment)
-        os.setpriority(os.PRIO_PROCESS, tid, wanted)
-        return f"niceness {current} -> {wanted}"
-    except (OSError, AttributeError) as exc:
-        return f"unchanged ({exc})"
 
 
 class Reconciler(Generic[M]):
@@ -534,7 +452,7 @@ class Reconciler(Generic[M]):
         preempted while it holds the GIL stalls the requests waiting for it until a core is
         idle (a SCHED_IDLE thread holding a lock is the textbook priority inversion), whereas
         a niced loader still gets its small share of a busy core and so lets go of the GIL
-        soon. Pacing (``app.load_pacing``) keeps the loader's GIL bursts short, which makes
+        soon. Pacing (``app.loading.control``) keeps the loader's GIL bursts short, which makes
         the stall rare; the hazard stays, so a serving replica does not take it.
         """
         if self._worker_nice <= 0:

@@ -4,7 +4,7 @@ as the router compares a mirrored request live.
 Each request takes the replicas' own path: the HTTP body is validated by the request schema
 of the models' family (``app.model_family.RequestSchema.parse``, as the router validates
 it), which gives the ``WireRequest`` the router hands a replica, and ranked by a loaded
-model (``app.loader.LoadedModel.rank_batch``).
+model (``app.loading.model.LoadedModel.rank_batch``).
 The two answers are compared with ``app.divergence.compare_rankings`` and added up in a
 ``DivergenceTotals``, the very comparison and totals of the shadow phase (``app.shadow``);
 ``expected_divergence`` turns the totals into the ``metadata.expected_divergence`` block a
@@ -50,7 +50,7 @@ RECORDED_DECIMALS: Final = 4
 
 
 class Ranker(Protocol):
-    """What replay needs of a model: ``app.loader.LoadedModel``'s batch ranking."""
+    """What replay needs of a model: ``app.loading.model.LoadedModel``'s batch ranking."""
 
     artifact_id: str
 

@@ -1,7 +1,7 @@
 """The ranker replica's logic; ``deployments/ranker.py`` is the thin Ray Serve shell around it.
 
 This module is the replica's config handling and request path; loading is
-``app.model_loading`` (driven by ``app.reconciler``), reports and metric hooks are
+``app.loading.pipeline`` (driven by ``app.reconciler``), reports and metric hooks are
 ``app.reporting``, test-only fault injection is ``app.faults``.
 
 Lifecycle:
@@ -75,10 +75,11 @@ from app.faults import (
     fault_injection_allowed,
 )
 from app.generations import GenerationHolder, NotReady
-from app.loader import LoadedModel, default_device
-from app.memory import MemoryBudget, device_capacity
+from app.loading.device import default_device
+from app.loading.memory import MemoryBudget, device_capacity
+from app.loading.model import LoadedModel
+from app.loading.pipeline import Candidate, ModelLoader
 from app.model_family import Families, RequestSchema, families_for
-from app.model_loading import Candidate, ModelLoader
 from app.reconciler import (
     BackoffPolicy,
     ReconcileEvent,

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 from app.cache import ArtifactCache
-from app.loader import WEIGHTS_FILES, CandidateLoad, load_verified
+from app.compatibility import WEIGHTS_FILES
+from app.loading.candidate import CandidateLoad, load_verified
 
 def rss():
     with open("/proc/self/statm") as fh:

@@ -53,7 +53,7 @@ import json, os, shutil, sys, time
 from pathlib import Path
 import torch
 from app.cache import ArtifactCache
-from app.loader import CandidateLoad, load_verified
+from app.loading.candidate import CandidateLoad, load_verified
 
 def rss():
     with open("/proc/self/statm") as fh:

@@ -20,6 +20,7 @@ from typing import Any, Final
 import torch
 
 from app.cache import ArtifactCache, VerifiedArtifact
+from app.compatibility import WEIGHTS_FILES
 from app.demo_artifacts import (
     DEMO_MODEL,
     TWO_TOWER_MODEL,
@@ -28,7 +29,7 @@ from app.demo_artifacts import (
     write_ranker_source,
     write_two_tower_source,
 )
-from app.loader import PRECISIONS, WEIGHTS_FILES
+from app.loading.device import PRECISIONS
 from app.manifest import MANIFEST_NAME, Architecture, parse_manifest
 from app.models.ranker_mlp.features import FEATURE_SCHEMA
 from app.models.ranker_mlp.network import RANKER_MLP

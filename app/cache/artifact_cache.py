@@ -35,7 +35,7 @@ from app.cache.signatures import EntrySignatures
 from app.cache.transfer import check_limits, check_listing, copy_verified, rehash, run_parallel
 from app.contracts import FetchConfig, SignatureTrust
 from app.errors import ArtifactRejected, FetchFailed
-from app.load_control import LoadControl, begin
+from app.loading.control import LoadControl, begin
 from app.manifest import (
     COMPLETE_MARKER_NAME,
     MANIFEST_NAME,
@@ -120,7 +120,7 @@ class ArtifactCache:
         ``recheck`` says how a hit is re-checked: file sizes (cheap; loaders re-hash what they
         read anyway) or full digests (``rollout verify``). A corrupted hit is set aside and
         fetched again. ``control`` paces, counts and can cancel a background load
-        (app.load_control).
+        (app.loading.control).
         """
         digest = manifest_sha256.lower()
         if not is_sha256_hex(digest):
@@ -176,7 +176,7 @@ class ArtifactCache:
 
         An entry under a lease, or being fetched, is never removed: when those leave no room,
         every other entry goes and the budget is exceeded by at most their bytes plus the
-        reservations (app.cache_budget).
+        reservations (app.cache.budget).
         """
         if self.byte_budget is None:
             return []

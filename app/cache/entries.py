@@ -16,7 +16,7 @@ from typing import Final, Protocol
 
 from app.cache.files import CHUNK_BYTES, HASH_PIECE_BYTES, LOCK_FILE_FLAGS, open_cached_file
 from app.errors import ArtifactRejected
-from app.load_control import LoadControl, advance, checkpoint
+from app.loading.control import LoadControl, advance, checkpoint
 from app.manifest import FileEntry, Manifest
 
 GiB: Final = 1 << 30
@@ -68,7 +68,7 @@ class VerifiedArtifact:
         (``open_stream``, read to its end).
 
         Loaders deserialize from these bytes, so what is loaded is what was verified even if
-        the cached copy was changed after the fetch. ``control``: see app.load_control.
+        the cached copy was changed after the fetch. ``control``: see app.loading.control.
         """
         with self.open_stream(rel, control) as stream:
             data = bytearray(stream.size)

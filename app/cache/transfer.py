@@ -16,7 +16,7 @@ from app.artifact_store import ArtifactSource
 from app.cache.entries import CacheLimits
 from app.cache.files import CHUNK_BYTES, open_cached_file, write_all
 from app.errors import ArtifactRejected
-from app.load_control import LoadControl, advance, checkpoint
+from app.loading.control import LoadControl, advance, checkpoint
 from app.manifest import MANIFEST_NAME, FileEntry, Manifest
 
 MAX_PARALLEL_FILES: Final = 4

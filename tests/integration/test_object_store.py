@@ -18,8 +18,8 @@ from app.cache import ArtifactCache
 from app.contracts import MemoryConfig
 from app.errors import ArtifactRejected, FetchFailed
 from app.generations import GenerationHolder
-from app.memory import MemoryBudget
-from app.model_loading import ModelLoader
+from app.loading.memory import MemoryBudget
+from app.loading.pipeline import ModelLoader
 from app.packing import PackResult
 from tests.artifacts import pack_ranker
 from tests.object_store import S3Server
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.objectstore
 WIDE = {"hidden_dim": 2048, "num_layers": 4, "context_dim": 16}  # ~50 MiB, 16 MiB tensors
 # One pass is asserted by counters (bytes read from the store, bytes read again from the
 # cache), which do not depend on the size: 256 MiB (was ~0.94 GiB, 61 s of the tier's time).
-# What a GiB-scale load holds in memory is measured in tests/unit/test_streamed_load.py.
+# What a GiB-scale load holds in memory is measured in tests/unit/loading/test_streamed_load.py.
 LARGE = {"hidden_dim": 4096, "num_layers": 5, "context_dim": 16}  # ~0.25 GiB
 
 

@@ -13,7 +13,7 @@ from app.cache import ArtifactCache
 from app.contracts import WireRequest
 from app.demo_artifacts import make_demo_artifacts, write_ranker_source
 from app.errors import ConfigError
-from app.loader import load_verified
+from app.loading.candidate import load_verified
 from app.manifest import MANIFEST_NAME, parse_manifest
 from app.models.ranker_mlp.features import FEATURE_SCHEMA, NUM_FEATURES
 from tests.artifacts import TINY_PARAMS

@@ -3,8 +3,9 @@
 - app/ is the domain core: it imports neither deployments/ nor rollout/ nor Ray, not even
   lazily inside a function (checked on the source), and importing all of it loads no Ray
   (checked in a fresh interpreter, so a transitive import counts too).
-- The pure modules (manifest, generations, contracts, plan, state, machine, analysis) load no
-  Ray, no torch and no database driver when imported on their own, in a fresh interpreter.
+- The pure modules (manifest, generations, contracts, plan, state, machine, analysis, the
+  cache, the load's control) load no Ray, no torch and no database driver when imported on
+  their own, in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ PURE_MODULES = (
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
     "app.preprocessing",
-    # What reads manifests only (rollout verify, registry register) must not pay for torch.
+    # What reads manifests only (rollout verify, registry register) must not pay for torch:
+    # the compatibility check, the verified cache, the load's control (the cache paces and
+    # counts with it) and the loading package itself (its modules are imported one by one).
     "app.compatibility",
+    "app.cache",
+    "app.safe_files",
+    "app.loading",
+    "app.loading.control",
     "app.models.ranker_mlp",
     "app.models.ranker_mlp.features",
     "app.models.two_tower",

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from app.api import RequestInvalid
+from app.compatibility import check_compatibility
 from app.contracts import DEFAULT_FEATURE_SCHEMA, AppArgs, ReplicaConfig
 from app.errors import ArtifactRejected, ConfigError
-from app.loader import check_compatibility, load_verified
+from app.loading.candidate import load_verified
 from app.manifest import Architecture
 from app.model_family import (
     DEFAULT_FAMILIES,

@@ -17,7 +17,7 @@ import pytest
 
 from app.contracts import MAX_TEXT, ReplicaPhase, Target
 from app.errors import ArtifactRejected, FetchFailed
-from app.load_control import LoadControl
+from app.loading.control import LoadControl, lower_thread_priority
 from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
@@ -25,7 +25,6 @@ from app.reconciler import (
     ReconcileEvent,
     Reconciler,
     is_retryable,
-    lower_thread_priority,
 )
 
 WAIT_S = 5.0  # for a loader thread to get where a test waits for it

@@ -24,7 +24,8 @@ from app.demo_artifacts import (
     make_shadow_artifacts,
 )
 from app.errors import ConfigError
-from app.loader import LoadedModel, load_verified
+from app.loading.candidate import load_verified
+from app.loading.model import LoadedModel
 from app.manifest import MANIFEST_NAME, parse_manifest
 from app.models.ranker_mlp.features import NUM_FEATURES
 from app.packing import PackResult

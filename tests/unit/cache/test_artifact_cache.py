@@ -17,7 +17,7 @@ import pytest
 
 from app.cache import ArtifactCache, CacheLimits
 from app.errors import ArtifactRejected
-from app.load_control import LoadCancelled, LoadControl
+from app.loading.control import LoadCancelled, LoadControl
 from app.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from app.polling import wait_until
 from app.signing import generate_keypair
@@ -278,7 +278,7 @@ def test_fetch_killed_midway_leaves_no_entry_and_is_swept(tmp_path):
         uri = server.uri(f"big-1/{MANIFEST_NAME}")
         proc = subprocess.Popen(
             [sys.executable, "-c", FETCH_SCRIPT, str(root), uri, result.manifest_sha256],
-            cwd=Path(__file__).resolve().parents[2],
+            cwd=Path(__file__).resolve().parents[3],
         )
         try:
             assert server.holding.wait(30), "download never started"
@@ -393,7 +393,7 @@ def test_eviction_with_everything_leased_removes_nothing(tmp_path):
 
 
 class RecordingPacer:
-    """A pacer (app.load_pacing's interface) that notes which threads reach a checkpoint and
+    """A pacer (app.loading.control's interface) that notes which threads reach a checkpoint and
     holds up the stream's hashing thread, so a read that did not wait for it would overwrite
     the bytes it is still hashing."""
 

@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from app.manifest import COMPLETE_MARKER_NAME
 from tests.file_artifacts import make_file_artifact
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ROLLOUT = Path(sys.executable).with_name("rollout")
 
 

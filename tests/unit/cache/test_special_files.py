@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from app.cache import ArtifactCache
+from app.compatibility import WEIGHTS_FILES
 from app.errors import ArtifactRejected
-from app.loader import WEIGHTS_FILES, load_verified
+from app.loading.candidate import load_verified
 from app.manifest import COMPLETE_MARKER_NAME, MANIFEST_NAME, SIGNATURE_NAME
 from app.signing import generate_keypair
 from tests.artifacts import good_artifact

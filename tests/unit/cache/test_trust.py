@@ -19,7 +19,7 @@ from app.signing import generate_keypair, sign_manifest
 from tests.artifacts import good_artifact
 from tests.file_artifacts import make_file_artifact
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ROLLOUT = Path(sys.executable).with_name("rollout")
 PAYLOAD = {"weights.bin": os.urandom(50_000), "conf/normalization.json": b'{"a": 1}'}
 

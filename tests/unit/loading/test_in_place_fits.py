@@ -102,7 +102,7 @@ def cgroup_tree(tmp_path, v2: bool, limit: str, usage: int, inactive: int = 0):
 
 
 def test_the_host_budget_counts_a_cgroup_limit(tmp_path) -> None:
-    from app.memory import cgroup_headroom
+    from app.loading.memory import cgroup_headroom
 
     gib = 1 << 30
     proc, mount = cgroup_tree(tmp_path / "v2", True, str(12 * gib), 9 * gib, inactive=gib)

@@ -1,4 +1,4 @@
-"""Pacing of background loads (app.load_pacing): the arithmetic with a stand-in CPU clock, and
+"""Pacing of background loads (app.loading.control): the arithmetic with a stand-in CPU clock, and
 that the real loading code (cache download, verified reads, dry run) stops at pacing points."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.cache import ArtifactCache
-from app.load_control import LoadControl
-from app.load_pacing import LoadPacer
-from app.loader import load_verified
+from app.loading.candidate import load_verified
+from app.loading.control import LoadControl, LoadPacer
 from tests.artifacts import pack_ranker
 
 

@@ -1,5 +1,6 @@
-"""The single-pass weights load (app.loader._stream_safetensors over app.cache.VerifiedStream):
-every byte read once, hashed from the buffer it landed in, straight into the tensors.
+"""The single-pass weights load (app.loading.formats.SafetensorsAssembler over
+app.cache.VerifiedStream): every byte read once, hashed from the buffer it landed in, straight
+into the tensors.
 
 Real packed artifacts, a real cache, real torch: tensors equal to what the safetensors library
 reads from the same file (fp32, and fp16/bf16 upcast on the CPU); padding between or after
@@ -25,13 +26,15 @@ import safetensors.torch
 import torch
 
 from app.cache import CHUNK_BYTES, ArtifactCache
+from app.compatibility import WEIGHTS_FILES
 from app.contracts import MemoryConfig
 from app.errors import ArtifactRejected
 from app.generations import GenerationHolder
-from app.load_control import LoadCancelled, LoadControl, LoadStage
-from app.loader import WEIGHTS_FILES, SafetensorsAssembler, load_verified
-from app.memory import MemoryBudget
-from app.model_loading import ModelLoader
+from app.loading.candidate import load_verified
+from app.loading.control import LoadCancelled, LoadControl, LoadStage
+from app.loading.formats import SafetensorsAssembler
+from app.loading.memory import MemoryBudget
+from app.loading.pipeline import ModelLoader
 from app.packing import PackResult
 from tests.artifacts import flip_byte, open_verified, pack_ranker, tiny_weights
 
@@ -233,7 +236,7 @@ import json, os, sys
 from pathlib import Path
 import torch
 from app.cache import VerifiedArtifact
-from app.loader import load_verified
+from app.loading.candidate import load_verified
 from app.manifest import MANIFEST_NAME, parse_manifest
 
 out, digest = Path(sys.argv[1]), sys.argv[2]
@@ -263,7 +266,7 @@ def test_a_one_gib_load_holds_the_weights_once(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     figures = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -392,7 +395,8 @@ def safetensors_bytes(
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 4093])
 def test_the_assembler_takes_chunks_of_any_size(precision: str, chunk: int) -> None:
-    from app.loader import PRECISIONS, SafetensorsAssembler, compute_dtype_for
+    from app.loading.device import PRECISIONS, compute_dtype_for
+    from app.loading.formats import SafetensorsAssembler
     from app.manifest import Architecture
     from app.models.ranker_mlp.network import build_ranker
     from tests.artifacts import TINY_PARAMS

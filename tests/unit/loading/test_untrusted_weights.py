@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.compatibility import WEIGHTS_FILES
 from app.errors import ArtifactRejected
-from app.loader import WEIGHTS_FILES, load_verified
+from app.loading.candidate import load_verified
 from app.packing import PackResult
 from tests.artifacts import open_verified, pack_ranker, tiny_weights
 

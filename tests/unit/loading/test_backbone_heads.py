@@ -23,14 +23,16 @@ import torch
 from app.cache import ArtifactCache
 from app.demo_artifacts import SplitArtifacts, family_weights, pack_split_artifacts
 from app.errors import ArtifactRejected
-from app.loader import LoadedModel, ResidentBackbone, load_backbone, load_verified
+from app.loading.backbones import ResidentBackbone
+from app.loading.candidate import load_backbone, load_verified
+from app.loading.memory import MemoryBudget
+from app.loading.model import LoadedModel
 from app.manifest import (
     Architecture,
     BackboneRef,
     backbone_manifest_uri,
     parse_manifest,
 )
-from app.memory import MemoryBudget
 from app.model_family import SHIPPED_FAMILIES, families_for
 from app.models.ranker_mlp import RANKER_MLP
 from app.models.two_tower import TWO_TOWER

@@ -1,4 +1,4 @@
-"""What a replica's loader (app.model_loading) refuses before a candidate is built: a manifest
+"""What a replica's loader (app.loading.pipeline) refuses before a candidate is built: a manifest
 of another model than the deployment serves, and a target whose URI scheme the deployment does
 not read from. Real packed artifacts, a real cache, a real replica."""
 
@@ -15,8 +15,8 @@ from app.contracts import FetchConfig, LoadingConfig, MemoryConfig
 from app.demo_artifacts import write_ranker_source
 from app.errors import ArtifactRejected
 from app.generations import GenerationHolder
-from app.memory import MemoryBudget
-from app.model_loading import Candidate, ModelLoader
+from app.loading.memory import MemoryBudget
+from app.loading.pipeline import Candidate, ModelLoader
 from app.models.ranker_mlp.features import FEATURE_SCHEMA
 from app.packing import PackResult, pack_artifact
 from app.replica import RankerReplica

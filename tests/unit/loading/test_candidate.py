@@ -10,21 +10,19 @@ import numpy as np
 import pytest
 import torch
 
+from app.compatibility import WEIGHTS_FILES, check_compatibility
 from app.contracts import WireRequest
 from app.errors import ArtifactRejected
-from app.loader import (
+from app.loading.candidate import load_verified
+from app.loading.formats import (
     CHUNK_BYTES,
     READ_BUFFERS,
     SAFETENSORS_PARSE_BYTES_PER_BYTE,
-    WEIGHTS_FILES,
-    LoadedModel,
-    _check_ranking,
     _expected_shapes,
-    check_compatibility,
-    load_verified,
     safetensors_header_limit,
 )
-from app.memory import MemoryBudget, MiB
+from app.loading.memory import MemoryBudget, MiB
+from app.loading.model import LoadedModel, _check_ranking
 from app.models.ranker_mlp.features import CONTEXT_FIELDS, NUM_FEATURES
 from app.packing import PackResult
 from app.preprocessing import LabelMapping, RankedCandidate
