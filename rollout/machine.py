@@ -54,19 +54,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.contracts import ExpectedDivergence, ReplicaPhase
-from rollout.analysis import Outcome, Verdict, WindowStats, judge
-from rollout.sequential import SAMPLE_RATIO, JudgeLevels, enabled_checks, judge_sequential
-from rollout.shadow_judge import judge_shadow, new_shadow_evidence
+from rollout import judging
+from rollout.analysis import Outcome, Verdict, WindowStats
+from rollout.sequential import SAMPLE_RATIO
+from rollout.shadow_judge import new_shadow_evidence
 from rollout.state import (
     GATE_OPERATOR,
     GATE_PROMOTION,
     VERDICT_HISTORY,
-    EvidenceRecord,
     Phase,
     RolloutState,
     VerdictRecord,
     Weights,
-    capped,
     gated_step,
     step_gate,
 )
@@ -703,52 +702,8 @@ class _Tick:
         if not _is_fresh(s, window):
             return None
         assert window is not None
-        evidence: tuple[EvidenceRecord, ...] = ()
-        if s.phase is Phase.SHADOWING:
-            assert s.shadow_evidence is not None
-            verdict, s.shadow_evidence = judge_shadow(
-                window.shadow_of(s.candidate_artifact_id), s.shadow_evidence, s.plan
-            )
-            fail_at = len(s.shadow_evidence.bounds) / s.plan.alpha
-            evidence = tuple(
-                EvidenceRecord(
-                    check=c.name,
-                    against=capped(c.evidence_against),
-                    supporting=None if c.evidence_for is None else capped(c.evidence_for),
-                    fail_at=fail_at,
-                    pass_at=1 / s.plan.beta,
-                )
-                for c in verdict.checks
-                if c.evidence_against is not None
-            )
-        elif s.plan.judge == "sequential":
-            verdict, s.evidence = judge_sequential(
-                window,
-                s.evidence,
-                s.plan,
-                canary_bp=s.weights.canary_bp,
-                step_index=max(s.step_index, 0),
-            )
-            levels = JudgeLevels(s.plan.alpha, s.plan.beta, enabled_checks(s.plan.checks))
-            evidence = tuple(
-                EvidenceRecord(
-                    check=c.name,
-                    against=capped(c.evidence_against),
-                    supporting=None if c.evidence_for is None else capped(c.evidence_for),
-                    fail_at=levels.fail_at if c.name != SAMPLE_RATIO else None,
-                    pass_at=levels.pass_at if c.name != SAMPLE_RATIO else None,
-                    hold_at=1 / s.plan.alpha if c.name == SAMPLE_RATIO else None,
-                )
-                for c in verdict.checks
-                if c.evidence_against is not None
-            )
-        else:
-            verdict = judge(
-                window,
-                s.plan.checks,
-                min_requests=s.plan.min_requests,
-                baseline_expected=s.weights.stable_bp > 0,
-            )
+        judged = judging.judge_window(s, window)
+        verdict, s.evidence, s.shadow_evidence = judged.verdict, judged.sequential, judged.shadow
         s.last_analysis_at = window.end
         s.verdicts.append(
             VerdictRecord(
@@ -757,7 +712,7 @@ class _Tick:
                 canary_bp=s.weights.canary_bp,
                 outcome=verdict.outcome,
                 reasons=verdict.reasons,
-                evidence=evidence,
+                evidence=judged.evidence,
             )
         )
         del s.verdicts[:-VERDICT_HISTORY]
@@ -774,22 +729,9 @@ class _Tick:
             s.inconclusive_windows += 1
         elif verdict.outcome is Outcome.FAIL:
             s.failed_checks += 1
-            if s.phase is Phase.SHADOWING:
-                self.withdraw(
-                    Phase.ROLLED_BACK,
-                    "shadow divergence before any user traffic: " + "; ".join(verdict.reasons),
-                )
-            elif s.plan.judge == "sequential":
-                self.withdraw(
-                    Phase.ROLLED_BACK,
-                    f"evidence against the canary at {self.where()}: " + "; ".join(verdict.reasons),
-                )
-            elif s.failed_checks >= s.plan.threshold:
-                self.withdraw(
-                    Phase.ROLLED_BACK,
-                    f"{s.failed_checks} consecutive failed checks (threshold "
-                    f"{s.plan.threshold}) at {self.where()}: " + "; ".join(verdict.reasons),
-                )
+            reason = judging.rollback_reason(s, verdict, self.where())
+            if reason is not None:
+                self.withdraw(Phase.ROLLED_BACK, reason)
         return verdict
 
     def start_promotion(self) -> None:

@@ -48,6 +48,7 @@ PURE_MODULES = (
     "rollout.plan",
     "rollout.state",
     "rollout.machine",
+    "rollout.judging",
     "rollout.analysis",
     "rollout.sequential",
     "rollout.shadow_judge",
