@@ -76,18 +76,12 @@ from app.faults import (
 )
 from app.generations import GenerationHolder, NotReady
 from app.loading.device import default_device
+from app.loading.failures import clipped_error, safe_message
 from app.loading.memory import MemoryBudget, device_capacity
 from app.loading.model import LoadedModel
 from app.loading.pipeline import Candidate, ModelLoader
 from app.model_family import Families, RequestSchema, families_for
-from app.reconciler import (
-    BackoffPolicy,
-    ReconcileEvent,
-    Reconciler,
-    ReconcilerSnapshot,
-    clipped_error,
-    safe_message,
-)
+from app.reconciler import BackoffPolicy, ReconcileEvent, Reconciler, ReconcilerSnapshot
 from app.reporting import NullObserver, ReplicaObserver, Reporter, SinkFactory
 from app.safe_text import redact_in
 from app.signing import load_trusted_key

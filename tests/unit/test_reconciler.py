@@ -18,13 +18,13 @@ import pytest
 from app.contracts import MAX_TEXT, ReplicaPhase, Target
 from app.errors import ArtifactRejected, FetchFailed
 from app.loading.control import LoadControl, lower_thread_priority
+from app.loading.failures import is_retryable
 from app.polling import wait_until
 from app.reconciler import (
     BackoffPolicy,
     Decision,
     ReconcileEvent,
     Reconciler,
-    is_retryable,
 )
 
 WAIT_S = 5.0  # for a loader thread to get where a test waits for it
