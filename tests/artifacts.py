@@ -142,6 +142,15 @@ def pack_family(
     raise ValueError(f"no such shipped family: {family}")
 
 
+def pack_for_model(root: Path, model: str, artifact_id: str = "other-v1") -> PackResult:
+    """A ranker artifact whose manifest names ``model`` (another model than the service's)."""
+    src = root / f"src-{artifact_id}"
+    write_ranker_source(src, seed=0, params=TINY_PARAMS)
+    return pack_artifact(
+        src, root / artifact_id, model=model, artifact_id=artifact_id, feature_schema=FEATURE_SCHEMA
+    )
+
+
 def open_verified(result: PackResult) -> VerifiedArtifact:
     """The packed directory as a VerifiedArtifact, without copying it into a cache."""
     data = (result.out_dir / MANIFEST_NAME).read_bytes()

@@ -14,17 +14,15 @@ source of time for both backends, and tests can pass their own.
 
 from __future__ import annotations
 
-import re
 import uuid
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
-from importlib import resources
 from types import TracebackType
-from typing import Any, Final, Protocol, Self
+from typing import Any, Self
 
-from app.contracts import COHORTS, TERMINAL_ROLLOUT_PHASES
+from app.contracts import TERMINAL_ROLLOUT_PHASES
 from app.errors import (
     ArtifactRejected,
     DigestMismatch,
@@ -34,6 +32,18 @@ from app.errors import (
     SchemaVersionError,
 )
 from app.manifest import BackboneRef, Manifest, backbone_manifest_uri, is_sha256_hex
+from app.registry._rows import (
+    ROLLOUT_ID_PREFIX,
+    TARGET_SELECT,
+    Clock,
+    RecordReader,
+    Row,
+    Tx,
+    migrations,
+    require_aware,
+    require_cohort,
+    target_key,
+)
 from app.registry.base import (
     ArtifactAuditEntry,
     ArtifactRecord,
@@ -47,66 +57,8 @@ from app.registry.base import (
     utc_now,
 )
 
-Row = Mapping[str, Any]
-Clock = Callable[[], datetime]
 
-_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-_ROLLOUT_ID_PREFIX: Final = "ro-"
-
-_TARGET_SELECT: Final = """
-    SELECT t.model, t.environment, t.cohort, t.revision, t.artifact_id, t.updated_at,
-           a.manifest_uri, a.manifest_sha256, a.feature_schema
-    FROM deployment_target t
-    JOIN model_artifact a ON a.model = t.model AND a.artifact_id = t.artifact_id
-"""
-
-
-class Tx(Protocol):
-    """One open transaction. Statements use ``?`` placeholders."""
-
-    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None: ...
-
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
-
-    def run(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Execute; return the number of rows affected."""
-        ...
-
-    def script(self, sql: str) -> None:
-        """Execute a migration file (several statements, no parameters)."""
-        ...
-
-
-def migrations(dialect: str) -> list[tuple[int, str, str]]:
-    """(version, file name, SQL) of the packaged migrations for ``dialect``, in order."""
-    found = []
-    for entry in (resources.files("app.registry") / "migrations" / dialect).iterdir():
-        match = _MIGRATION_NAME.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), entry.name, entry.read_text(encoding="utf-8")))
-    found.sort()
-    versions = [v for v, _, _ in found]
-    if versions != list(range(1, len(versions) + 1)):
-        raise RuntimeError(f"{dialect} migrations are not numbered 1..n: {versions}")
-    return found
-
-
-def _require_aware(value: datetime, what: str) -> datetime:
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} must be a timezone-aware datetime, got {value!r}")
-    return value
-
-
-def _require_cohort(cohort: str) -> None:
-    if cohort not in COHORTS:
-        raise ValueError(f"cohort must be one of {', '.join(COHORTS)}, got {cohort!r}")
-
-
-def _key(model: str, env: str, cohort: str) -> str:
-    return f"{model}/{env}/{cohort}"
-
-
-class SqlRegistry(ABC):
+class SqlRegistry(RecordReader):
     """Registry operations over :class:`Tx`; subclasses provide the dialect."""
 
     dialect: str
@@ -136,13 +88,7 @@ class SqlRegistry(ABC):
     def _ts_param(self, value: datetime) -> Any: ...
 
     @abstractmethod
-    def _ts_value(self, raw: Any) -> datetime: ...
-
-    @abstractmethod
     def _json_param(self, value: Any) -> Any: ...
-
-    @abstractmethod
-    def _json_value(self, raw: Any) -> Any: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -229,99 +175,6 @@ class SqlRegistry(ABC):
                         (version, name, self._ts_param(self._clock())),
                     )
         self._schema_version = latest
-
-    # ---- rows -> records -----------------------------------------------------------------
-
-    def _optional_ts(self, raw: Any) -> datetime | None:
-        return None if raw is None else self._ts_value(raw)
-
-    def _artifact(self, row: Row) -> ArtifactRecord:
-        return ArtifactRecord(
-            model=row["model"],
-            artifact_id=row["artifact_id"],
-            manifest_uri=row["manifest_uri"],
-            manifest_sha256=row["manifest_sha256"],
-            state=row["state"],
-            feature_schema=row["feature_schema"],
-            runtime=row["runtime"],
-            metadata=self._json_value(row["metadata"]),
-            created_at=self._ts_value(row["created_at"]),
-            updated_at=self._ts_value(row["updated_at"]),
-            state_actor=row["state_actor"],
-            state_reason=row["state_reason"],
-            kind=row["kind"],
-            backbone_artifact_id=row["backbone_artifact_id"],
-            backbone_manifest_sha256=row["backbone_manifest_sha256"],
-        )
-
-    def _target(self, row: Row) -> TargetRecord:
-        return TargetRecord(
-            model=row["model"],
-            environment=row["environment"],
-            cohort=row["cohort"],
-            revision=int(row["revision"]),
-            artifact_id=row["artifact_id"],
-            manifest_uri=row["manifest_uri"],
-            manifest_sha256=row["manifest_sha256"],
-            feature_schema=row["feature_schema"],
-            updated_at=self._ts_value(row["updated_at"]),
-        )
-
-    def _audit(self, row: Row) -> AuditEntry:
-        return AuditEntry(
-            id=int(row["id"]),
-            model=row["model"],
-            environment=row["environment"],
-            cohort=row["cohort"],
-            old_artifact_id=row["old_artifact_id"],
-            new_artifact_id=row["new_artifact_id"],
-            old_revision=int(row["old_revision"]),
-            new_revision=int(row["new_revision"]),
-            actor=row["actor"],
-            reason=row["reason"],
-            approval=row["approval"],
-            at=self._ts_value(row["at"]),
-        )
-
-    def _rollout(self, row: Row) -> RolloutRecord:
-        return RolloutRecord(
-            id=row["id"],
-            model=row["model"],
-            environment=row["environment"],
-            candidate_artifact_id=row["candidate_artifact_id"],
-            baseline_artifact_id=row["baseline_artifact_id"],
-            plan=self._json_value(row["plan"]),
-            phase=row["phase"],
-            step=int(row["step"]),
-            weights=self._json_value(row["weights"]),
-            verdicts=self._json_value(row["verdicts"]),
-            state=self._json_value(row["state"]),
-            reason=row["reason"],
-            version=int(row["version"]),
-            created_at=self._ts_value(row["created_at"]),
-            updated_at=self._ts_value(row["updated_at"]),
-            finished_at=self._optional_ts(row["finished_at"]),
-        )
-
-    def _replica(self, row: Row) -> ReplicaReportRecord:
-        def opt_int(value: Any) -> int | None:
-            return None if value is None else int(value)
-
-        return ReplicaReportRecord(
-            replica_id=row["replica_id"],
-            model=row["model"],
-            environment=row["environment"],
-            cohort=row["cohort"],
-            state=row["state"],
-            heartbeat_at=self._ts_value(row["heartbeat_at"]),
-            desired_revision=opt_int(row["desired_revision"]),
-            desired_artifact_id=row["desired_artifact_id"],
-            actual_revision=opt_int(row["actual_revision"]),
-            actual_artifact_id=row["actual_artifact_id"],
-            last_error=row["last_error"],
-            capacity=self._json_value(row["capacity"]),
-            timings=self._json_value(row["timings"]),
-        )
 
     # ---- artifacts -----------------------------------------------------------------------
 
@@ -545,7 +398,7 @@ class SqlRegistry(ABC):
 
     def _target_in(self, tx: Tx, model: str, env: str, cohort: str) -> TargetRecord | None:
         row = tx.one(
-            _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ? AND t.cohort = ?",
+            TARGET_SELECT + " WHERE t.model = ? AND t.environment = ? AND t.cohort = ?",
             (model, env, cohort),
         )
         return None if row is None else self._target(row)
@@ -553,12 +406,12 @@ class SqlRegistry(ABC):
     def get_target(
         self, model: str, env: str, cohort: str, *, observed: TargetRecord | None = None
     ) -> TargetRecord:
-        _require_cohort(cohort)
+        require_cohort(cohort)
         with self._transaction(write=False) as tx:
             target = self._target_in(tx, model, env, cohort)
         if target is None:
             raise NotFound(
-                f"{_key(model, env, cohort)} has no target yet", model=model, cohort=cohort
+                f"{target_key(model, env, cohort)} has no target yet", model=model, cohort=cohort
             )
         check_observed(observed, target)
         return target
@@ -566,7 +419,7 @@ class SqlRegistry(ABC):
     def list_targets(self, model: str, env: str) -> list[TargetRecord]:
         with self._transaction(write=False) as tx:
             rows = tx.all(
-                _TARGET_SELECT + " WHERE t.model = ? AND t.environment = ?"
+                TARGET_SELECT + " WHERE t.model = ? AND t.environment = ?"
                 " ORDER BY CASE t.cohort WHEN 'stable' THEN 0 ELSE 1 END",
                 (model, env),
             )
@@ -584,12 +437,12 @@ class SqlRegistry(ABC):
         reason: str,
         approval: str | None = None,
     ) -> TargetRecord:
-        _require_cohort(cohort)
+        require_cohort(cohort)
         if expected_revision < 0:
             raise ValueError(f"expected_revision must be >= 0, got {expected_revision}")
         if not actor or not reason:
             raise ValueError("a publish needs an actor and a reason (they go to the audit log)")
-        key = _key(model, env, cohort)
+        key = target_key(model, env, cohort)
         now = self._ts_param(self._clock())
 
         def conflict(current: TargetRecord | None) -> RevisionConflict:
@@ -741,7 +594,7 @@ class SqlRegistry(ABC):
         sql = "SELECT * FROM target_audit WHERE model = ? AND environment = ?"
         params: list[Any] = [model, env]
         if cohort is not None:
-            _require_cohort(cohort)
+            require_cohort(cohort)
             sql += " AND cohort = ?"
             params.append(cohort)
         sql += " ORDER BY id DESC LIMIT ?"
@@ -779,7 +632,7 @@ class SqlRegistry(ABC):
     ) -> RolloutRecord:
         if phase in TERMINAL_ROLLOUT_PHASES:
             raise ValueError(f"a rollout cannot start in the terminal phase {phase!r}")
-        rollout_id = rollout_id or f"{_ROLLOUT_ID_PREFIX}{uuid.uuid4().hex[:12]}"
+        rollout_id = rollout_id or f"{ROLLOUT_ID_PREFIX}{uuid.uuid4().hex[:12]}"
         now = self._ts_param(self._clock())
 
         def already_active(active: RolloutRecord) -> InvalidState:
@@ -918,8 +771,8 @@ class SqlRegistry(ABC):
     # ---- replica reports -----------------------------------------------------------------
 
     def upsert_replica_report(self, report: ReplicaReportRecord) -> None:
-        _require_cohort(report.cohort)
-        heartbeat = _require_aware(report.heartbeat_at, "heartbeat_at")
+        require_cohort(report.cohort)
+        heartbeat = require_aware(report.heartbeat_at, "heartbeat_at")
         with self._transaction(write=True) as tx:
             tx.run(
                 """
@@ -960,7 +813,7 @@ class SqlRegistry(ABC):
         sql = "SELECT * FROM replica_report WHERE model = ? AND environment = ?"
         params: list[Any] = [model, env]
         if cohort is not None:
-            _require_cohort(cohort)
+            require_cohort(cohort)
             sql += " AND cohort = ?"
             params.append(cohort)
         with self._transaction(write=False) as tx:

@@ -30,7 +30,8 @@ from app.errors import (
     RegistryUnavailable,
     RevisionConflict,
 )
-from app.registry._sql import Clock, Row, SqlRegistry, Tx
+from app.registry._rows import Clock, Row, Tx
+from app.registry._sql import SqlRegistry
 from app.registry.base import RegistryAccess, utc_now
 from app.safe_text import terminal_safe
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.registry._sql import migrations
+from app.registry._rows import migrations
 from tests.integration.test_cli_servable import servable_manifest
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))

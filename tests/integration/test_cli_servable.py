@@ -13,7 +13,7 @@ import pytest
 
 from app.packing import PackResult
 from tests import artifacts
-from tests.unit.test_model_loading import pack_for_model
+from tests.artifacts import pack_for_model
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 

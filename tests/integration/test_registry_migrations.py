@@ -10,7 +10,7 @@ import pytest
 
 from app.errors import SchemaVersionError
 from app.registry import open_registry
-from app.registry._sql import migrations
+from app.registry._rows import migrations
 from tests.integration.backends import Backend
 from tests.integration.manifests import MakeManifest
 

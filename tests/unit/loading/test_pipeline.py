@@ -12,23 +12,12 @@ import torch
 
 from app.cache import ArtifactCache
 from app.contracts import FetchConfig, LoadingConfig, MemoryConfig
-from app.demo_artifacts import write_ranker_source
 from app.errors import ArtifactRejected
 from app.generations import GenerationHolder
 from app.loading.memory import MemoryBudget
 from app.loading.pipeline import Candidate, ModelLoader
-from app.models.ranker_mlp.features import FEATURE_SCHEMA
-from app.packing import PackResult, pack_artifact
 from app.replica import RankerReplica
-from tests.artifacts import TINY_PARAMS
-
-
-def pack_for_model(root: Path, model: str, artifact_id: str = "other-v1") -> PackResult:
-    src = root / f"src-{artifact_id}"
-    write_ranker_source(src, seed=0, params=TINY_PARAMS)
-    return pack_artifact(
-        src, root / artifact_id, model=model, artifact_id=artifact_id, feature_schema=FEATURE_SCHEMA
-    )
+from tests.artifacts import pack_for_model
 
 
 @pytest.fixture
