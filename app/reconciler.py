@@ -36,13 +36,12 @@ import logging
 import random
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
-from app.contracts import ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
+from app.contracts import ErrorInfo, ReplicaPhase, RetryConfig, Target
 from app.loading.control import LoadCancelled, LoadControl, LoweredThread, StageProgress
 from app.loading.failures import (
     clipped_error,
@@ -51,20 +50,14 @@ from app.loading.failures import (
     is_retryable,
     safe_message,
 )
+from app.supervised import log_crash, restart_pause, supervise
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
 
-# A worker that died of an unexpected error starts again after this pause, doubled for every
-# restart up to the cap: soon enough that a one-off fault costs little, slow enough that a
-# fault that recurs on every job does not spin a core or flood the log.
-RESTART_PAUSE_S: Final = 0.1
-MAX_RESTART_PAUSE_S: Final = 60.0
 # Cancelled revisions kept for the report (it shows the latest few).
 MAX_KEPT_REVISIONS: Final = 64
-# Characters of a crashed worker's traceback in its log line.
-MAX_TRACEBACK_CHARS: Final = 16_000
 
 
 class Decision(StrEnum):
@@ -310,13 +303,7 @@ class Reconciler(Generic[M]):
     def _supervise(self) -> None:
         """The worker thread: ``_run`` until closed, started again whenever it dies of an
         error nothing expected (load failures never get here: ``_run`` handles them)."""
-        while True:
-            try:
-                self._run()
-                return
-            except Exception as exc:
-                pause = self._crashed(exc)
-            self._pause(pause)
+        supervise(self._run, on_crash=self._crashed, wait=self._pause)
 
     def _crashed(self, exc: Exception) -> float:
         """Record, log and announce a crash of the worker; the pause before its restart."""
@@ -326,7 +313,7 @@ class Reconciler(Generic[M]):
             restarts = self._worker_restarts
             desired = self._desired
             self._cond.notify_all()
-        pause = min(MAX_RESTART_PAUSE_S, RESTART_PAUSE_S * 2 ** min(restarts - 1, 16))
+        pause = restart_pause(restarts)
         crash = clipped_error(
             "internal",
             f"the {self._name} worker died and was restarted ({restarts} so far): "
@@ -336,13 +323,13 @@ class Reconciler(Generic[M]):
         )
         with self._cond:
             self._worker_crash = crash
-        trace = safe_message("".join(traceback.format_exception(exc)), desired)
-        log.error(
-            "%s: the worker died of an unexpected error; restarted in %.1f s (%d restarts): %s",
-            self._name,
+        log_crash(
+            log,
+            f"{self._name}: the worker",
+            exc,
             pause,
             restarts,
-            clip_text(trace, MAX_TRACEBACK_CHARS),
+            lambda text: safe_message(text, desired),
         )
         self._emit(ReconcileEvent("worker_restarted", desired, error=crash))
         return pause

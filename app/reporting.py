@@ -23,20 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Protocol
 
 from app.contracts import ControllerRef, ErrorInfo, InstanceReport, clip_text
+from app.supervised import log_crash, restart_pause, supervise
 
 log = logging.getLogger(__name__)
-
-# A reporter thread that died of an unexpected error starts again after this pause, doubled
-# for every restart up to the cap (a fault that recurs must not spin a core or flood the log).
-RESTART_PAUSE_S: Final = 0.1
-MAX_RESTART_PAUSE_S: Final = 60.0
-MAX_TRACEBACK_CHARS: Final = 16_000
 
 
 class ReportSink(Protocol):
@@ -146,24 +140,21 @@ class Reporter:
     def _supervise(self) -> None:
         """The thread: ``_run`` until closed, started again whenever it dies of an error
         nothing expected."""
-        while True:
-            try:
-                self._run()
-                return
-            except Exception as exc:
-                pause = self._crashed(exc)
-            deadline = time.monotonic() + pause
-            with self._cond:
-                while not self._closed and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(timeout=left)
-                self._dirty = True  # the next report says what happened
+        supervise(self._run, on_crash=self._crashed, wait=self._wait_to_restart)
+
+    def _wait_to_restart(self, pause: float) -> None:
+        deadline = time.monotonic() + pause
+        with self._cond:
+            while not self._closed and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(timeout=left)
+            self._dirty = True  # the next report says what happened
 
     def _crashed(self, exc: Exception) -> float:
         """Record and log a crash of the thread; the pause before its restart."""
         with self._cond:
             self._restarts += 1
             restarts = self._restarts
-        pause = min(MAX_RESTART_PAUSE_S, RESTART_PAUSE_S * 2 ** min(restarts - 1, 16))
+        pause = restart_pause(restarts)
         crash = ErrorInfo(
             category="internal",
             message=clip_text(
@@ -173,14 +164,7 @@ class Reporter:
         )
         with self._cond:
             self._last_crash = crash
-        log.error(
-            "reporter-%s: the thread died of an unexpected error; restarted in %.1f s "
-            "(%d restarts): %s",
-            self._name,
-            pause,
-            restarts,
-            clip_text("".join(traceback.format_exception(exc)), MAX_TRACEBACK_CHARS),
-        )
+        log_crash(log, f"reporter-{self._name}: the thread", exc, pause, restarts)
         try:
             self._on_crash(crash)
         except Exception:  # an observer must never stop the restart
