@@ -1,14 +1,26 @@
 """The controller's engine fed malformed instance reports: each is refused and counted, no tick
 fails, and the rollout goes on exactly as the good reports say (the engine and replicas of
-``tests.unit.test_engine``: fake Serve and windows, a real registry)."""
+``tests.unit.engine_world``: fake Serve and windows, a real registry)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from app.contracts import MAX_REVISION, InstanceReport
 from app.registry import Registry
-from tests.unit.test_engine import PLAN, V42, World, registry  # noqa: F401 - the fixture
+from tests.unit.engine_world import PLAN, V42, World, seeded_registry
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    registry = seeded_registry(tmp_path)
+    yield registry
+    registry.close()
+
 
 MALFORMED: tuple[dict[str, Any], ...] = (
     {"heartbeat": 1e20},
@@ -42,7 +54,7 @@ class MisreportingWorld(World):
         return super().tick(seconds)
 
 
-def test_malformed_reports_neither_fail_a_tick_nor_hold_the_rollout(registry: Registry) -> None:  # noqa: F811
+def test_malformed_reports_neither_fail_a_tick_nor_hold_the_rollout(registry: Registry) -> None:
     world = MisreportingWorld(registry)
     world.replicas_report()
     world.engine.start_rollout(V42, PLAN, actor="test")
@@ -58,7 +70,7 @@ def test_malformed_reports_neither_fail_a_tick_nor_hold_the_rollout(registry: Re
     assert any(e.startswith("report refused: ") for e in status.errors), status.errors
 
 
-def test_a_bogus_huge_seq_does_not_hide_a_replica_from_the_rollout(registry: Registry) -> None:  # noqa: F811
+def test_a_bogus_huge_seq_does_not_hide_a_replica_from_the_rollout(registry: Registry) -> None:
     world = World(registry)
     world.replicas_report()
     world.engine.start_rollout(V42, PLAN, actor="test")
