@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a Debian machine with Python 3.11:
 # virtualenv + packages, PostgreSQL server binaries, rsync and Prometheus (Debian packages) when
-# missing, the style checks (ruff check, ruff format --check), then pytest.
+# missing, the style checks (ruff check, ruff format --check), the documentation build (MkDocs,
+# --strict: a broken link or anchor between pages, or a page missing from the nav, fails it;
+# built into a temporary directory, so the checkout gets no site/), then pytest.
 # --fast (first argument): the tiers without a Ray cluster only (tests/unit, tests/inprocess,
-# tests/integration), for the inner loop. No arguments: the whole suite, as CI runs it, in two
+# tests/integration), for the inner loop. Every mode runs the style checks and the docs build
+# first. No arguments: the whole suite, as CI runs it, in two
 # pytest runs: those three tiers first, then tests/e2e, which gets the machine to itself (its
 # tier is CPU-bound: run beside anything else on two cores its judged latencies go to
 # seconds). The tiers without a cluster run on two pytest-xdist workers that each take a
@@ -67,6 +70,13 @@ fi
 # The style the code promises, checked before any test runs: lint rules and formatting.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+
+# The documentation (docs/, mkdocs.yml) builds without a warning: --strict fails on a broken
+# link or anchor and on a page missing from the nav. Built into a temporary directory, removed
+# after, so the checkout gets no site/.
+SITE_DIR=$(mktemp -d)
+.venv/bin/mkdocs build --strict --site-dir "$SITE_DIR"
+rm -rf "$SITE_DIR"
 
 export PYTHONUNBUFFERED=1
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider --dist loadfile)

@@ -1,6 +1,6 @@
 """Where a run's time went: seconds per test module and per marker, printed at the end of
 every run (beside pytest's own slowest-tests list), so a change sees what it spends of the
-suite's budget (README, Tests).
+suite's budget (docs/testing.md).
 
 A test's time is its setup, call and teardown together: a module's shared fixtures (its Serve
 application, its artifacts) count in the module that first asks for them, and the session's

@@ -258,10 +258,13 @@ def test_public_keys_are_still_synced() -> None:
         assert ignored.returncode == 1, path
 
 
+# The README and the pages of docs/ (mkdocs.yml builds them).
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
 def test_the_docs_keygen_examples_write_outside_the_checkout() -> None:
-    texts = {
-        name: (ROOT / name).read_text() for name in ("README.md", "cluster.yaml", "ARCHITECTURE.md")
-    }
+    names = ["README.md", "cluster.yaml", *(str(p.relative_to(ROOT)) for p in DOCS)]
+    texts = {name: (ROOT / name).read_text() for name in names}
     examples = [
         (name, line)
         for name, text in texts.items()
@@ -275,6 +278,6 @@ def test_the_docs_keygen_examples_write_outside_the_checkout() -> None:
 
 
 def test_the_docs_send_operators_to_the_controller_sidecar() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert "-c rollout-controller" in readme
-    assert not re.search(r"kubectl exec[^\n]*-c ray-head[^\n]*rollout", readme)
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *DOCS])
+    assert "-c rollout-controller" in docs
+    assert not re.search(r"kubectl exec[^\n]*-c ray-head[^\n]*rollout", docs)
