@@ -140,3 +140,26 @@ def check_compatibility(
                 artifact_id=aid,
             )
     return family
+
+
+def check_model(manifest: Manifest, model: str, setting: str) -> None:
+    """The manifest is for ``model``, the model the caller serves or registers under
+    (``setting`` names where that comes from, for the message: ``--model``,
+    ``loading.model``). ArtifactRejected ``schema`` otherwise."""
+    if manifest.model != model:
+        raise ArtifactRejected(
+            "schema",
+            f"manifest is for model {manifest.model!r}; {model!r} is served here ({setting})",
+            artifact_id=manifest.artifact_id,
+        )
+
+
+def check_servable(
+    manifest: Manifest, model: str, setting: str, families: Families | None = None
+) -> ModelFamily:
+    """The one answer to "could this service serve this manifest as ``model``", from the
+    manifest alone: its model (``check_model``) and everything ``check_compatibility`` reads.
+    ``rollout verify`` and ``rollout registry register`` ask it; a replica asks the same two
+    checks with its own families (``app.loading.candidate``)."""
+    check_model(manifest, model, setting)
+    return check_compatibility(manifest, families)

@@ -20,6 +20,7 @@ import torch
 
 from app.artifact_store import check_uri_allowed, shown_uri
 from app.cache import ArtifactCache, Lease
+from app.compatibility import check_model
 from app.contracts import DEFAULT_FEATURE_SCHEMA, LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
 from app.generations import Generation, GenerationHolder
@@ -67,13 +68,7 @@ def check_manifest_for(target: Target, loading: LoadingConfig, manifest: Manifes
             f"says {target.artifact_id!r}",
             artifact_id=target.artifact_id,
         )
-    if manifest.model != loading.model:
-        raise ArtifactRejected(
-            "schema",
-            f"manifest is for model {manifest.model!r}; this deployment serves "
-            f"{loading.model!r} (loading.model)",
-            artifact_id=target.artifact_id,
-        )
+    check_model(manifest, loading.model, "loading.model")
     if manifest.feature_schema != target.feature_schema:
         raise ArtifactRejected(
             "schema",

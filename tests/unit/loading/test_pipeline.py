@@ -67,7 +67,7 @@ def test_the_served_model_is_configured(tmp_path: Path) -> None:
     finally:
         loader.discard(candidate)
     loader, _ = loader_for(tmp_path, LoadingConfig())
-    with pytest.raises(ArtifactRejected, match="this deployment serves 'ranker'"):
+    with pytest.raises(ArtifactRejected, match=r"'ranker' is served here \(loading\.model\)"):
         loader.load(packed.target(2))
 
 
