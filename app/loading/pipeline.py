@@ -19,7 +19,7 @@ from typing import Any, Final, Literal
 import torch
 
 from app.artifact_store import check_uri_allowed, shown_uri
-from app.cache import ArtifactCache, Lease
+from app.cache import ArtifactCache, Lease, VerifiedArtifact
 from app.compatibility import check_model
 from app.contracts import DEFAULT_FEATURE_SCHEMA, LoadingConfig, LoadTimings, Target
 from app.errors import ArtifactRejected
@@ -182,8 +182,6 @@ class ModelLoader:
         control = control or LoadControl()
         if share is not None:
             control.pacer = LoadPacer(share)  # a share of 1 never pauses
-        lease = cache.lease(target.manifest_sha256)
-        artifact_read = False  # the cache handed out a verified entry, now being read
         current = self._holder.current
         resident = int(getattr(current.model, "param_bytes", 0)) if current else 0
         # The fetch's sink: a cold fetch feeds the weights into the model as it hashes them
@@ -205,28 +203,10 @@ class ModelLoader:
             families=families,
             backbones=backbone_for,
         )
-        try:
-            artifact = cache.fetch_verified(
-                target.manifest_uri, target.manifest_sha256, control=control, sink=prepared
-            )
-            artifact_read = True
-            model = load_verified(artifact, control=control, prepared=prepared)
-        except ArtifactRejected as exc:
-            prepared.abandon()
-            lease.release()
-            if (
-                exc.category in CACHED_BYTES_CHANGED
-                and artifact_read
-                and exc.artifact_id in (None, target.artifact_id)  # not its backbone's
-            ):
-                # The cached copy changed after it was verified (disk rot, a hand edit): the
-                # retry must read the source, not the same bad entry.
-                cache.set_aside(target.manifest_sha256)
-            raise
-        except BaseException:
-            prepared.abandon()
-            lease.release()
-            raise
+        fetched = fetch_and_load(
+            cache, target.manifest_uri, target.manifest_sha256, prepared, control=control
+        )
+        artifact, model, lease = fetched.artifact, fetched.model, fetched.lease
         timings = LoadTimings(
             download=float(artifact.timings.get("fetch_s", 0.0)),
             verify=float(
@@ -305,6 +285,57 @@ class ModelLoader:
         """The holder's cleanup of a retired or refused generation."""
         model = generation.model
         close_model(model, self._leases.pop(id(model), None))
+
+
+@dataclass
+class FetchedModel:
+    """A model loaded from a verified cache entry, and the lease that keeps the entry (release
+    it when the model is closed)."""
+
+    artifact: VerifiedArtifact
+    model: LoadedModel
+    lease: Lease
+
+
+def fetch_and_load(
+    cache: ArtifactCache,
+    manifest_uri: str,
+    manifest_sha256: str,
+    prepared: CandidateLoad,
+    *,
+    control: LoadControl | None = None,
+    recheck: Literal["sizes", "digests"] = "sizes",
+) -> FetchedModel:
+    """The pipeline every load takes, a replica's (``ModelLoader``) and ``rollout verify
+    --load``'s: the entry leased, fetched and verified through the cache (a cold fetch feeds
+    ``prepared`` as its bytes are hashed, so they are read once), then strictly loaded and
+    dry-run (``load_verified``). ``prepared`` says what the caller checks of the manifest
+    (``expect``), the device, the budget and where a head finds its backbone. On failure
+    ``prepared`` is abandoned and the lease released; a cached entry whose bytes changed
+    after it was verified (disk rot, a hand edit) is set aside, so a retry reads the source
+    instead of the same bad entry."""
+    lease = cache.lease(manifest_sha256)
+    artifact: VerifiedArtifact | None = None
+    try:
+        artifact = cache.fetch_verified(
+            manifest_uri, manifest_sha256, recheck=recheck, control=control, sink=prepared
+        )
+        model = load_verified(artifact, control=control, prepared=prepared)
+    except ArtifactRejected as exc:
+        prepared.abandon()
+        lease.release()
+        if (
+            exc.category in CACHED_BYTES_CHANGED
+            and artifact is not None
+            and exc.artifact_id in (None, artifact.manifest.artifact_id)  # not its backbone's
+        ):
+            cache.set_aside(manifest_sha256)
+        raise
+    except BaseException:
+        prepared.abandon()
+        lease.release()
+        raise
+    return FetchedModel(artifact, model, lease)
 
 
 @dataclass
