@@ -52,7 +52,7 @@ ROUTER_FALLBACK_READY: Final = "ranker_router_fallback_ready"  # gauge: 1 while 
 ROUTER_FALLBACK_ALLOWED: Final = "ranker_router_fallback_allowed"  # gauge: the accuracy guard
 ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requests waiting
 #                                                                    for a cold fallback
-# Shadow traffic (app.shadow): copies of stable-answered requests sent to the canary.
+# Shadow traffic (app.ingress.shadow): copies of stable-answered requests sent to the canary.
 ROUTER_SHADOW_REQUESTS: Final = "ranker_router_shadow_requests"  # counter {outcome}: "compared"
 #                                   | "dropped" (no room in flight) | "error" (no answer)
 ROUTER_SHADOW_RBO: Final = "ranker_router_shadow_rbo"  # histogram {artifact}: rank-biased

@@ -38,7 +38,6 @@ from app.api import (
     StatusResponse,
 )
 from app.body_reads import BodyReads
-from app.coalescing import CohortCoalescer
 from app.contracts import (
     BASIS_POINTS,
     CANARY,
@@ -59,8 +58,8 @@ from app.contracts import (
     clip_text,
 )
 from app.errors import ConfigError
-from app.model_family import DEFAULT_FAMILIES, ParsedRequest, families_for
-from app.routing import (
+from app.ingress.coalescing import CohortCoalescer
+from app.ingress.routing import (
     CohortHealth,
     can_fail_over_to,
     decide_route,
@@ -68,8 +67,8 @@ from app.routing import (
     request_key,
     says_not_serving,
 )
-from app.shadow import Comparison, ShadowMirror, is_mirrored
-from app.standby import (
+from app.ingress.shadow import Comparison, ShadowMirror, is_mirrored
+from app.ingress.standby import (
     AccuracyVerdict,
     BreakerState,
     PrimaryBreaker,
@@ -78,6 +77,7 @@ from app.standby import (
     primaries_down,
     route_with_standby,
 )
+from app.model_family import DEFAULT_FAMILIES, ParsedRequest, families_for
 
 log = logging.getLogger("ray.serve")
 

@@ -25,10 +25,13 @@ PURE_MODULES = (
     "app.generations",
     "app.contracts",
     "app.safe_text",
-    "app.routing",
-    "app.standby",
     "app.divergence",
-    "app.shadow",
+    # The ingress core: the router's decisions, without Ray, Starlette or torch.
+    "app.ingress",
+    "app.ingress.routing",
+    "app.ingress.standby",
+    "app.ingress.shadow",
+    "app.ingress.coalescing",
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
     "app.preprocessing",
@@ -117,13 +120,20 @@ UNIT_TESTS = ROOT / "tests" / "unit"
 UNIT_MUST_NOT_IMPORT = ("ray", "deployments")
 
 
+def unit_test_paths() -> list[Path]:
+    """Every module of the tier, in its subpackages too (tests/unit/ingress)."""
+    return sorted(UNIT_TESTS.rglob("*.py"))
+
+
 def unit_test_modules() -> list[str]:
-    return [f"tests.unit.{p.stem}" for p in sorted(UNIT_TESTS.glob("*.py"))]
+    modules = []
+    for path in unit_test_paths():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return modules
 
 
-@pytest.mark.parametrize(
-    "path", sorted(UNIT_TESTS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
-)
+@pytest.mark.parametrize("path", unit_test_paths(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_unit_test_source_imports_no_ray_or_serve_shell(path: Path) -> None:
     bad = imported_roots(path.read_text()) & set(UNIT_MUST_NOT_IMPORT)
     assert not bad, (
