@@ -205,10 +205,10 @@ class Ranker:
         answer = await self._forward([parsed.wire])
         # The router's answer, built by the same model (app.api.RankResponse): one replica
         # answers here, so its cohort is shown and nothing failed over.
-        response = RankResponse.from_answer(
+        text, _ = RankResponse.encode(
             answer.model, answer.rankings[0], failover=False, reveal_cohort=True
         )
-        return Response(response.body(), media_type="application/json")
+        return Response(text, media_type="application/json")
 
     def check_health(self) -> None:
         self._core.check_health()
