@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.api import MAX_BODY_BYTES, MAX_CANDIDATES, RankResponse, RequestInvalid
+from app.api import (
+    MAX_BODY_BYTES,
+    MAX_CANDIDATES,
+    AnsweringModel,
+    RankResponse,
+    RequestInvalid,
+)
 from app.contracts import ModelMeta, RouterConfig
 from app.models.ranker_mlp.features import NUM_FEATURES, encode_context, parse_rank_body, to_wire
 
@@ -266,3 +272,19 @@ def test_the_rank_answer_keeps_its_keys_order_and_bytes() -> None:
     assert "cohort" not in model and model["backbone_artifact_id"] is None
     assert "X-Model-Cohort" not in hidden.headers() and "X-Model-Backbone" not in hidden.headers()
     assert RankResponse.model_validate_json(shown.body()) == shown
+
+
+@pytest.mark.parametrize("reveal_cohort", [False, True])
+@pytest.mark.parametrize("backbone", [None, "rb-1"])
+def test_the_fast_encoding_is_the_models_own(reveal_cohort: bool, backbone: str | None) -> None:
+    """``encode`` writes the dict by hand (the router's hot path): the same text and
+    headers as the model, its keys in the model's field order."""
+    meta = ModelMeta("head-a", 3, "canary", "torch-2", "replica-1", backbone)
+    ranking = [("x", 0.75, "good"), ("y", 0.125, "bad")]
+    text, headers = RankResponse.encode(meta, ranking, failover=False, reveal_cohort=reveal_cohort)
+    model = RankResponse.from_answer(meta, ranking, failover=False, reveal_cohort=reveal_cohort)
+    assert text == model.body() and headers == model.headers()
+    document = json.loads(text)
+    assert list(document) == list(RankResponse.model_fields)
+    fields = list(AnsweringModel.model_fields)
+    assert list(document["model"]) == (fields if reveal_cohort else fields[:-1])

@@ -224,6 +224,7 @@ def test_the_standby_breaker_opens_on_failed_calls_and_fails_back_through_its_st
 def test_a_call_to_a_cohort_without_a_model_does_not_count_for_its_breaker() -> None:
     async def main() -> None:
         replicas, clock = Replicas(), Clock()
+        replicas.probe[CANARY] = "idle"
         replicas.rank[STABLE] = "not_serving"
         standby = {**ALWAYS, "trip_after_failures": 1}
         core = make_core(replicas, fallback=True, clock=clock, standby=standby)
