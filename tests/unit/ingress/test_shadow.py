@@ -1,5 +1,5 @@
-"""Mirroring of stable-answered requests to the canary (app/shadow.py): which users are copied,
-and the bound on copies in flight. asyncio with a fake canary the test answers, no Ray."""
+"""Mirroring of stable-answered requests to the canary (app/ingress/shadow.py): which users are
+copied, and the bound on copies in flight. asyncio with a fake canary the test answers, no Ray."""
 
 from __future__ import annotations
 
