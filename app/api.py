@@ -5,11 +5,15 @@ serves (``app.model_family.RequestSchema``, built on ``parse_body`` here); what 
 the replicas is the compact ``WireRequest`` (ids, a float32 feature matrix, context, top_n,
 and the family's per-request ``query`` features where it has them), which the replicas do
 not validate again.
+
+The answer to ``/v1/rank`` is ``RankResponse``, built here and only here: by the router, by
+the ranker's direct route (the benchmark's baseline) and read back by ``app.client``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+import json
+from collections.abc import AsyncIterable, Sequence
 from typing import Annotated, Any, Final, TypeVar
 
 import numpy as np
@@ -20,7 +24,7 @@ from pydantic import (
     field_serializer,
 )
 
-from app.contracts import MAX_REQUEST_BODY_BYTES, ErrorInfo, ReplicaPhase, StandbyView
+from app.contracts import MAX_REQUEST_BODY_BYTES, ErrorInfo, ModelMeta, ReplicaPhase, StandbyView
 
 DEFAULT_TOP_N: Final = 10
 # Limits of one request, whatever its family: the batch forward pads nothing, but a single
@@ -142,6 +146,107 @@ def parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
         if sep and " " not in head and (field == "body" or head.startswith(field)):
             field, msg = head, rest
         raise RequestInvalid(field, msg) from None
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+class RankedCandidate(BaseModel):
+    """One candidate of a ranking, best first."""
+
+    id: str
+    score: float
+    label: str
+
+
+class AnsweringModel(BaseModel):
+    """Which model answered; the ``X-Model-*`` headers say the same."""
+
+    artifact_id: str
+    revision: int
+    runtime_build: str
+    replica: str
+    # The backbone artifact a head runs on (None for a model without one); always present.
+    backbone_artifact_id: str | None = None
+    # Only where the router's ``reveal_cohort`` is on (local.yaml, tests): left out of the
+    # answer, not null, when hidden, so clients cannot tell a cohort from its absence.
+    cohort: str | None = None
+
+
+class RankResponse(BaseModel):
+    """The answer to ``POST /v1/rank``."""
+
+    ranking: list[RankedCandidate]
+    model: AnsweringModel
+    failover: bool = False  # answered by another cohort than the one the request was meant for
+
+    @staticmethod
+    def encode(
+        meta: ModelMeta,
+        ranking: Sequence[tuple[str, float, str]],
+        *,
+        failover: bool,
+        reveal_cohort: bool,
+    ) -> tuple[str, dict[str, str]]:
+        """The answer's JSON text and headers, straight from a replica's answer.
+
+        The path every request pays for: the dict is written directly with this model's
+        keys, in its field order (``model.cohort`` only where revealed), and dumped with
+        ``json.dumps`` as the service always has; building the models first cost three times
+        as much. tests/unit/test_api.py holds it equal to ``from_answer(...).body()``."""
+        model: dict[str, Any] = {
+            "artifact_id": meta.artifact_id,
+            "revision": meta.revision,
+            "runtime_build": meta.runtime_build,
+            "replica": meta.replica,
+            "backbone_artifact_id": meta.backbone,
+        }
+        headers = {"X-Model-Artifact": meta.artifact_id, "X-Model-Revision": str(meta.revision)}
+        if reveal_cohort:
+            model["cohort"] = meta.cohort
+            headers["X-Model-Cohort"] = meta.cohort
+        if meta.backbone is not None:
+            headers["X-Model-Backbone"] = meta.backbone
+        payload = {
+            "ranking": [{"id": i, "score": s, "label": lb} for i, s, lb in ranking],
+            "model": model,
+            "failover": failover,
+        }
+        return json.dumps(payload), headers
+
+    @classmethod
+    def from_answer(
+        cls,
+        meta: ModelMeta,
+        ranking: Sequence[tuple[str, float, str]],
+        *,
+        failover: bool,
+        reveal_cohort: bool,
+    ) -> RankResponse:
+        """The model of the answer ``encode`` writes (tests, clients)."""
+        body, _ = cls.encode(meta, ranking, failover=failover, reveal_cohort=reveal_cohort)
+        return cls.model_validate_json(body)
+
+    def payload(self) -> dict[str, Any]:
+        """The JSON object of the answer (``model.cohort`` only where revealed)."""
+        hidden = {"model": {"cohort"}} if self.model.cohort is None else None
+        return self.model_dump(exclude=hidden)
+
+    def body(self) -> str:
+        """The answer's text as the service writes it (``json.dumps``)."""
+        return json.dumps(self.payload())
+
+    def headers(self) -> dict[str, str]:
+        model = self.model
+        headers = {"X-Model-Artifact": model.artifact_id, "X-Model-Revision": str(model.revision)}
+        if model.cohort is not None:
+            headers["X-Model-Cohort"] = model.cohort
+        if model.backbone_artifact_id is not None:
+            headers["X-Model-Backbone"] = model.backbone_artifact_id
+        return headers
+
+
+# --------------------------------------------------------------------------- the status
 
 
 class ReplicaView(BaseModel):

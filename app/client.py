@@ -8,6 +8,9 @@ retry has no side effect: the client retries 429/500/502/503/504 answers and con
 waits at least what ``Retry-After`` asks (capped), and otherwise backs off exponentially with
 jitter so that clients that failed together do not come back together. Client mistakes (other
 4xx) are never retried.
+
+A 2xx answer's body reads back into ``app.api.RankResponse`` (``RankResult.answer()``), the
+model the router builds it with: one set of keys on both sides.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 import httpx
+
+from app.api import RankResponse
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 
@@ -96,6 +101,10 @@ class RankResult:
     body: dict[str, Any]
     headers: Mapping[str, str]
     attempts: int
+
+    def answer(self) -> RankResponse:
+        """The body as the ranking API's answer model (validated: it came over the wire)."""
+        return RankResponse.model_validate(self.body)
 
 
 class _Attempts:

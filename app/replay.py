@@ -6,7 +6,7 @@ of the models' family (``app.model_family.RequestSchema.parse``, as the router v
 it), which gives the ``WireRequest`` the router hands a replica, and ranked by a loaded
 model (``app.loading.model.LoadedModel.rank_batch``).
 The two answers are compared with ``app.divergence.compare_rankings`` and added up in a
-``DivergenceTotals``, the very comparison and totals of the shadow phase (``app.shadow``);
+``DivergenceTotals``, the very comparison and totals of the shadow phase (``app.ingress.shadow``);
 ``expected_divergence`` turns the totals into the ``metadata.expected_divergence`` block a
 candidate's manifest carries (``rollout replay`` writes it, ``rollout pack
 --expected-divergence`` embeds it).

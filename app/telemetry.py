@@ -7,11 +7,17 @@ reader (which finds them in Ray's Prometheus text or through PromQL). No Ray imp
 On export Ray prefixes every name with ``ray_``, adds the ``application``, ``deployment`` and
 ``replica`` tags, and suffixes counters with ``_total`` (Ray's Prometheus exporter does this,
 not us); ``exported_name`` gives the name a reader looks for.
+
+``METRICS`` is the one table of every metric the service exports: its name, kind,
+description, labels and (histograms) bucket bounds. The router builds its metrics from it
+(``app.ingress.instruments``) and the observability test reads the dashboard against it.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
 
 # --- label keys -------------------------------------------------------------------------
 COHORT: Final = "cohort"  # "stable" | "canary" | "fallback"; on router metrics, the cohort
@@ -52,7 +58,7 @@ ROUTER_FALLBACK_READY: Final = "ranker_router_fallback_ready"  # gauge: 1 while 
 ROUTER_FALLBACK_ALLOWED: Final = "ranker_router_fallback_allowed"  # gauge: the accuracy guard
 ROUTER_FALLBACK_WAITING: Final = "ranker_router_fallback_waiting"  # gauge: requests waiting
 #                                                                    for a cold fallback
-# Shadow traffic (app.shadow): copies of stable-answered requests sent to the canary.
+# Shadow traffic (app.ingress.shadow): copies of stable-answered requests sent to the canary.
 ROUTER_SHADOW_REQUESTS: Final = "ranker_router_shadow_requests"  # counter {outcome}: "compared"
 #                                   | "dropped" (no room in flight) | "error" (no answer)
 ROUTER_SHADOW_RBO: Final = "ranker_router_shadow_rbo"  # histogram {artifact}: rank-biased
@@ -131,3 +137,188 @@ def exported_name(name: str, *, kind: str) -> str:
     if kind in ("gauge", "histogram"):
         return base
     raise ValueError(f"unknown metric kind {kind!r}")
+
+
+# --- the table ---------------------------------------------------------------------------
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric: what creates it passes these to Ray as they are."""
+
+    name: str
+    kind: MetricKind
+    description: str
+    labels: tuple[str, ...] = ()  # tag keys; Ray adds application, deployment and replica
+    boundaries: tuple[float, ...] = ()  # histograms only: bucket upper bounds
+
+    @property
+    def exported(self) -> str:
+        """The series name in Ray's Prometheus output."""
+        return exported_name(self.name, kind=self.kind)
+
+
+METRICS: Final[tuple[MetricSpec, ...]] = (
+    # router
+    MetricSpec(
+        ROUTER_REQUESTS,
+        "counter",
+        "Rank requests by the cohort asked and the outcome of asking it.",
+        (COHORT, OUTCOME),
+    ),
+    MetricSpec(
+        ROUTER_LATENCY_MS,
+        "histogram",
+        "End-to-end latency of rank requests in the router (ms).",
+        (COHORT, OUTCOME),
+        LATENCY_BOUNDARIES_MS,
+    ),
+    MetricSpec(
+        ROUTER_FAILOVERS,
+        "counter",
+        "Requests answered by the other cohort than the one bucketed.",
+        (FROM_COHORT, COHORT),
+    ),
+    MetricSpec(
+        ROUTER_BODY_READ_MS,
+        "histogram",
+        "Time to receive a rank request's body (ms), before its cohort is chosen: "
+        "the client's upload, which no judge check reads.",
+        (),
+        LATENCY_BOUNDARIES_MS,
+    ),
+    MetricSpec(
+        ROUTER_REJECTIONS, "counter", "Rank requests refused by the router, by reason.", (REASON,)
+    ),
+    MetricSpec(ROUTER_CANARY_WEIGHT_BP, "gauge", "Canary weight in basis points."),
+    MetricSpec(
+        ROUTER_IN_FLIGHT,
+        "gauge",
+        "Rank requests admitted and not yet answered (sampled every <= 1 s).",
+    ),
+    MetricSpec(
+        ROUTER_BATCH_SIZE,
+        "histogram",
+        "Requests per coalesced handle call.",
+        (COHORT,),
+        BATCH_SIZE_BOUNDARIES,
+    ),
+    # router: shadow traffic
+    MetricSpec(
+        ROUTER_SHADOW_REQUESTS,
+        "counter",
+        "Copies of stable-answered requests for the canary, by outcome.",
+        (OUTCOME,),
+    ),
+    MetricSpec(
+        ROUTER_SHADOW_RBO,
+        "histogram",
+        "Rank-biased overlap of the canary's ranking with stable's, per copy.",
+        (ARTIFACT,),
+        SHARE_BOUNDARIES,
+    ),
+    MetricSpec(
+        ROUTER_SHADOW_OVERLAP,
+        "histogram",
+        "Share of stable's top k in the canary's top k, per copy.",
+        (ARTIFACT,),
+        SHARE_BOUNDARIES,
+    ),
+    MetricSpec(
+        ROUTER_SHADOW_SCORE_DIFF,
+        "histogram",
+        "Largest score difference of one candidate between the two, per copy.",
+        (ARTIFACT,),
+        SCORE_DIFF_BOUNDARIES,
+    ),
+    MetricSpec(
+        ROUTER_SHADOW_TOP1_CHANGED,
+        "counter",
+        "Copies whose first candidate differs from stable's.",
+        (ARTIFACT,),
+    ),
+    MetricSpec(ROUTER_SHADOW_IN_FLIGHT, "gauge", "Copies sent and not answered yet."),
+    MetricSpec(
+        ROUTER_SHADOW_FRACTION_BP,
+        "gauge",
+        "Share of stable-answered requests copied to the canary (bp).",
+    ),
+    # router: hot standby
+    MetricSpec(
+        ROUTER_BREAKER_STATE,
+        "gauge",
+        "A primary cohort's standby breaker: 1 for its state, 0 for the others.",
+        (COHORT, STATE),
+    ),
+    MetricSpec(
+        ROUTER_SERVING_FROM_FALLBACK,
+        "gauge",
+        "1 while no primary cohort takes all traffic and the fallback answers.",
+    ),
+    MetricSpec(
+        ROUTER_PRIMARIES_DOWN,
+        "gauge",
+        "1 while no primary cohort takes all traffic, fallback or not.",
+    ),
+    MetricSpec(ROUTER_FALLBACK_READY, "gauge", "1 while a fallback replica serves a model."),
+    MetricSpec(
+        ROUTER_FALLBACK_ALLOWED,
+        "gauge",
+        "1 while the accuracy guard (or the policy) lets the fallback answer.",
+    ),
+    MetricSpec(ROUTER_FALLBACK_WAITING, "gauge", "Requests waiting for a cold fallback."),
+    # replicas
+    MetricSpec(
+        REPLICA_LOAD_STAGE_S,
+        "histogram",
+        "Duration of each stage of loading a model target.",
+        (COHORT, STAGE, RESULT),
+        LOAD_STAGE_BOUNDARIES_S,
+    ),
+    MetricSpec(
+        REPLICA_DESIRED_REVISION,
+        "gauge",
+        "Revision of the target this replica should serve.",
+        (COHORT,),
+    ),
+    MetricSpec(
+        REPLICA_ACTUAL_REVISION,
+        "gauge",
+        "Revision of the generation this replica serves.",
+        (COHORT,),
+    ),
+    MetricSpec(
+        REPLICA_LOAD_FAILURES,
+        "counter",
+        "Failed attempts to load a target, by rejection category.",
+        (COHORT, REASON),
+    ),
+    MetricSpec(
+        REPLICA_BATCH_SIZE,
+        "histogram",
+        "Requests per forward pass.",
+        (COHORT,),
+        BATCH_SIZE_BOUNDARIES,
+    ),
+    # rollout controller
+    MetricSpec(
+        ROLLOUT_EVIDENCE,
+        "gauge",
+        "Sequential judge: e-value against / for the canary, per check",
+        (MODEL, CHECK, SIDE),
+    ),
+    MetricSpec(
+        ROLLOUT_EVIDENCE_BOUND,
+        "gauge",
+        "Sequential judge: the e-value at which a check fails / passes",
+        (MODEL, CHECK, SIDE),
+    ),
+    MetricSpec(
+        ROLLOUT_DRIFT_REPAIRS,
+        "counter",
+        "Serve config settings found changed behind the controller and repaired",
+        (MODEL, DRIFT),
+    ),
+)
+METRIC_SPECS: Final[Mapping[str, MetricSpec]] = {spec.name: spec for spec in METRICS}

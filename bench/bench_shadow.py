@@ -38,10 +38,10 @@ import httpx
 import numpy as np
 
 from app.demo_artifacts import make_demo_artifacts, make_shadow_artifacts
+from app.ingress.routing import request_key
+from app.ingress.shadow import is_mirrored
 from app.polling import wait_until
 from app.request_bodies import rank_bodies
-from app.routing import request_key
-from app.shadow import is_mirrored
 from bench.bench_router import p99_ratio_interval
 from rollout.local_cluster import LocalCluster
 

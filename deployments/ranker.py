@@ -15,12 +15,11 @@ from typing import Any, Final
 
 import torch
 from ray import serve
-from ray.serve import metrics
 from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RequestInvalid, read_body
+from app.api import RankResponse, RequestInvalid, read_body
 from app.contracts import (
     BatchingConfig,
     CohortArgs,
@@ -32,6 +31,7 @@ from app.contracts import (
 )
 from app.faults import InjectedFault
 from app.replica import RankerReplica
+from deployments.metrics import serve_metric
 
 log = logging.getLogger("ray.serve")
 
@@ -80,33 +80,12 @@ class ServeMetricsObserver:
         self._cohort = "unknown"
         self._last_revisions: tuple[int, int] | None = None
         self._closed = threading.Event()
-        self._stage = metrics.Histogram(
-            t.REPLICA_LOAD_STAGE_S,
-            description="Duration of each stage of loading a model target.",
-            boundaries=list(t.LOAD_STAGE_BOUNDARIES_S),
-            tag_keys=(t.COHORT, t.STAGE, t.RESULT),
-        )
-        self._desired = metrics.Gauge(
-            t.REPLICA_DESIRED_REVISION,
-            description="Revision of the target this replica should serve.",
-            tag_keys=(t.COHORT,),
-        )
-        self._actual = metrics.Gauge(
-            t.REPLICA_ACTUAL_REVISION,
-            description="Revision of the generation this replica serves.",
-            tag_keys=(t.COHORT,),
-        )
-        self._failures = metrics.Counter(
-            t.REPLICA_LOAD_FAILURES,
-            description="Failed attempts to load a target, by rejection category.",
-            tag_keys=(t.COHORT, t.REASON),
-        )
-        self._batch = metrics.Histogram(
-            t.REPLICA_BATCH_SIZE,
-            description="Requests per forward pass.",
-            boundaries=list(t.BATCH_SIZE_BOUNDARIES),
-            tag_keys=(t.COHORT,),
-        )
+        # Names, descriptions, labels and buckets: app.telemetry's table.
+        self._stage = serve_metric(t.REPLICA_LOAD_STAGE_S)
+        self._desired = serve_metric(t.REPLICA_DESIRED_REVISION)
+        self._actual = serve_metric(t.REPLICA_ACTUAL_REVISION)
+        self._failures = serve_metric(t.REPLICA_LOAD_FAILURES)
+        self._batch = serve_metric(t.REPLICA_BATCH_SIZE)
 
     def set_cohort(self, cohort: str) -> None:
         self._cohort = cohort
@@ -224,12 +203,12 @@ class Ranker:
             payload = {"error": exc.category, "detail": str(exc)}
             return Response(json.dumps(payload), status_code=503, media_type="application/json")
         answer = await self._forward([parsed.wire])
-        meta = answer.model
-        payload = {
-            "ranking": [{"id": i, "score": s, "label": lb} for i, s, lb in answer.rankings[0]],
-            "model": meta._asdict(),
-        }
-        return Response(json.dumps(payload), media_type="application/json")
+        # The router's answer, built by the same model (app.api.RankResponse): one replica
+        # answers here, so its cohort is shown and nothing failed over.
+        text, _ = RankResponse.encode(
+            answer.model, answer.rankings[0], failover=False, reveal_cohort=True
+        )
+        return Response(text, media_type="application/json")
 
     def check_health(self) -> None:
         self._core.check_health()

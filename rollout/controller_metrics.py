@@ -26,6 +26,11 @@ TAG_KEYS = (t.MODEL, t.CHECK, t.SIDE)
 MetricFactory = Callable[..., Any]
 
 
+def _made(make: MetricFactory, name: str) -> Any:
+    spec = t.METRIC_SPECS[name]
+    return make(spec.name, description=spec.description, tag_keys=spec.labels)
+
+
 class ControllerMetrics:
     """The controller's series. ``gauge`` and ``counter`` make them: Ray's metrics classes in
     the actor (the default); a recorder in the unit tests, which load no Ray."""
@@ -37,23 +42,12 @@ class ControllerMetrics:
             from ray.util import metrics
 
             gauge, counter = gauge or metrics.Gauge, counter or metrics.Counter
-        self.evidence = gauge(
-            t.ROLLOUT_EVIDENCE,
-            description="Sequential judge: e-value against / for the canary, per check",
-            tag_keys=TAG_KEYS,
-        )
-        self.bound = gauge(
-            t.ROLLOUT_EVIDENCE_BOUND,
-            description="Sequential judge: the e-value at which a check fails / passes",
-            tag_keys=TAG_KEYS,
-        )
+        # Names, descriptions and labels: app.telemetry's table.
+        self.evidence = _made(gauge, t.ROLLOUT_EVIDENCE)
+        self.bound = _made(gauge, t.ROLLOUT_EVIDENCE_BOUND)
         # (model, check, side) of every series set for the rollout being judged.
         self._live: set[tuple[str, str, str]] = set()
-        self.drift_repairs = counter(
-            t.ROLLOUT_DRIFT_REPAIRS,
-            description="Serve config settings found changed behind the controller and repaired",
-            tag_keys=(t.MODEL, t.DRIFT),
-        )
+        self.drift_repairs = _made(counter, t.ROLLOUT_DRIFT_REPAIRS)
         self._drift_counted: dict[str, int] = {}
 
     def publish_drift(self, model: str, repairs: dict[str, int]) -> None:

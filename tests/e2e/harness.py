@@ -708,9 +708,9 @@ def standby_application(cluster: Cluster, router: dict[str, Any]) -> Iterator[St
         "args": {
             "stable": {"num_replicas": 1, "num_cpus": 0.1, "target": target(BASELINE)},
             # The canary pool idle, as between rollouts: a healthy canary beside a recovering
-            # stable would (rightly) lift stable's hysteresis, see app/standby.py. (Serve's
-            # own 10 s health checks, not QUICK_HEALTH_CHECKS: the breakers' scenario needs a
-            # killed replica's outage to last until the breakers open.)
+            # stable would (rightly) lift stable's hysteresis, see app/ingress/standby.py.
+            # (Serve's own 10 s health checks, not QUICK_HEALTH_CHECKS: the breakers' scenario
+            # needs a killed replica's outage to last until the breakers open.)
             "canary": {"num_replicas": 1, "num_cpus": 0.1},
             "fallback": {"num_replicas": 1, "num_cpus": 0.1, "target": target(FALLBACK_ARTIFACT)},
             "router": router,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from app.routing import bucket, request_key
+from app.ingress.routing import bucket, request_key
 from tests.e2e.harness import rank_body
 
 

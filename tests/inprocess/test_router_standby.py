@@ -1,7 +1,7 @@
 """The router's hot standby, outside Serve: the router object with fake deployment handles
 whose rank calls answer, fail or hang and whose status probes find a model, none, or nobody.
 
-What is checked here, where the pure tests (tests/unit/test_standby.py) cannot reach: that a
+What is checked here, where the pure tests (tests/unit/ingress/test_standby.py) cannot reach: that a
 coalesced call counts once for the breaker, that a cold fallback's wait is bounded in time and
 in number, that an app without a fallback exports no standby at all, and that the view holds
 on the router's real clock. The real stack is tests/e2e/test_standby.py.

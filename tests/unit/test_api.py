@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.api import MAX_BODY_BYTES, MAX_CANDIDATES, RequestInvalid
-from app.contracts import RouterConfig
+from app.api import (
+    MAX_BODY_BYTES,
+    MAX_CANDIDATES,
+    AnsweringModel,
+    RankResponse,
+    RequestInvalid,
+)
+from app.contracts import ModelMeta, RouterConfig
 from app.models.ranker_mlp.features import NUM_FEATURES, encode_context, parse_rank_body, to_wire
 
 
@@ -226,3 +232,59 @@ def test_request_models_are_strict() -> None:
         CandidateIn.model_validate({"id": "a", "features": [True] * NUM_FEATURES})
     with pytest.raises(ValidationError):
         CandidateIn.model_validate({"id": "a", "features": [1e39] * NUM_FEATURES})
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+def test_the_rank_answer_keeps_its_keys_order_and_bytes() -> None:
+    """The bytes the router has always written: json.dumps of ranking, model (with
+    backbone_artifact_id always, cohort only where revealed, last) and failover."""
+    meta = ModelMeta("head-a", 3, "canary", "torch-2", "replica-1", "rb-1")
+    ranking = [("x", 0.75, "good"), ("y", 1e-7, "bad")]
+    shown = RankResponse.from_answer(meta, ranking, failover=True, reveal_cohort=True)
+    assert shown.body() == json.dumps(
+        {
+            "ranking": [
+                {"id": "x", "score": 0.75, "label": "good"},
+                {"id": "y", "score": 1e-7, "label": "bad"},
+            ],
+            "model": {
+                "artifact_id": "head-a",
+                "revision": 3,
+                "runtime_build": "torch-2",
+                "replica": "replica-1",
+                "backbone_artifact_id": "rb-1",
+                "cohort": "canary",
+            },
+            "failover": True,
+        }
+    )
+    assert list(shown.headers().items()) == [
+        ("X-Model-Artifact", "head-a"),
+        ("X-Model-Revision", "3"),
+        ("X-Model-Cohort", "canary"),
+        ("X-Model-Backbone", "rb-1"),
+    ]
+    hidden = RankResponse.from_answer(meta._replace(backbone=None), ranking, failover=False,
+                                      reveal_cohort=False)  # fmt: skip
+    model = json.loads(hidden.body())["model"]
+    assert "cohort" not in model and model["backbone_artifact_id"] is None
+    assert "X-Model-Cohort" not in hidden.headers() and "X-Model-Backbone" not in hidden.headers()
+    assert RankResponse.model_validate_json(shown.body()) == shown
+
+
+@pytest.mark.parametrize("reveal_cohort", [False, True])
+@pytest.mark.parametrize("backbone", [None, "rb-1"])
+def test_the_fast_encoding_is_the_models_own(reveal_cohort: bool, backbone: str | None) -> None:
+    """``encode`` writes the dict by hand (the router's hot path): the same text and
+    headers as the model, its keys in the model's field order."""
+    meta = ModelMeta("head-a", 3, "canary", "torch-2", "replica-1", backbone)
+    ranking = [("x", 0.75, "good"), ("y", 0.125, "bad")]
+    text, headers = RankResponse.encode(meta, ranking, failover=False, reveal_cohort=reveal_cohort)
+    model = RankResponse.from_answer(meta, ranking, failover=False, reveal_cohort=reveal_cohort)
+    assert text == model.body() and headers == model.headers()
+    document = json.loads(text)
+    assert list(document) == list(RankResponse.model_fields)
+    fields = list(AnsweringModel.model_fields)
+    assert list(document["model"]) == (fields if reveal_cohort else fields[:-1])

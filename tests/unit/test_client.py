@@ -13,6 +13,7 @@ from email.utils import format_datetime
 import httpx
 import pytest
 
+from app.api import RankResponse
 from app.client import (
     AsyncRankerClient,
     RankerClient,
@@ -21,6 +22,7 @@ from app.client import (
     RetryPolicy,
     parse_retry_after,
 )
+from app.contracts import ModelMeta
 
 OK_BODY = {"ranking": [{"id": "a", "score": 0.9}], "model": {"artifact_id": "ranker-v41"}}
 
@@ -54,6 +56,16 @@ def test_success_needs_one_attempt() -> None:
     sleeps: list[float] = []
     result = client(transport, sleeps).rank({"candidates": []})
     assert result.body == OK_BODY and result.attempts == 1 and sleeps == [] and seen == ["/v1/rank"]
+
+
+def test_an_answer_reads_back_into_the_routers_answer_model() -> None:
+    meta = ModelMeta("ranker-v41", 3, "stable", "torch-2", "stable-1")
+    sent = RankResponse.from_answer(meta, [("a", 0.9, "good")], failover=False, reveal_cohort=False)
+    ok = httpx.Response(200, content=sent.body(), headers={"content-type": "application/json"})
+    transport, _ = scripted(ok)
+    answer = client(transport, []).rank({"candidates": []}).answer()
+    assert answer == sent and answer.model.backbone_artifact_id is None
+    assert answer.model.cohort is None and answer.ranking[0].id == "a"
 
 
 def test_retry_after_is_honoured() -> None:

@@ -6,6 +6,8 @@
 - The pure modules (manifest, generations, contracts, plan, state, machine, analysis, the
   cache, the load's control) load no Ray, no torch and no database driver when imported on
   their own, in a fresh interpreter.
+- The ingress core (app/ingress) imports no HTTP framework either: the router's Serve shell
+  turns Starlette requests into the core's arguments and its answers into responses.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ PURE_MODULES = (
     "app.generations",
     "app.contracts",
     "app.safe_text",
-    "app.routing",
-    "app.standby",
     "app.divergence",
-    "app.shadow",
+    # The ingress core: the router's decisions, without Ray, Starlette or torch.
+    "app.ingress",
+    "app.ingress.routing",
+    "app.ingress.standby",
+    "app.ingress.shadow",
+    "app.ingress.coalescing",
+    "app.ingress.answers",
+    "app.ingress.instruments",
+    "app.ingress.probes",
+    "app.ingress.standby_gate",
+    "app.ingress.core",
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
     "app.preprocessing",
@@ -114,6 +124,26 @@ def test_importing_the_whole_core_loads_no_ray() -> None:
 def test_pure_module_loads_no_ray_torch_or_database(module: str) -> None:
     bad = set(loaded_after_import(module)) & set(PURE_MUST_NOT_LOAD)
     assert not bad, f"importing {module} loads {sorted(bad)}"
+
+
+INGRESS = CORE / "ingress"
+INGRESS_MUST_NOT_IMPORT = ("ray", "starlette", "fastapi", "torch", "psycopg", "sqlite3")
+INGRESS_MUST_NOT_LOAD = (*PURE_MUST_NOT_LOAD, "starlette", "fastapi")
+
+
+@pytest.mark.parametrize(
+    "path", sorted(INGRESS.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_ingress_source_imports_no_ray_http_framework_torch_or_database(path: Path) -> None:
+    bad = imported_roots(path.read_text()) & set(INGRESS_MUST_NOT_IMPORT)
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: app/ingress is Ray-free"
+
+
+def test_importing_the_ingress_core_loads_no_ray_http_framework_torch_or_database() -> None:
+    modules = [m for m in core_modules() if m.startswith("app.ingress")]
+    assert "app.ingress.core" in modules, modules
+    bad = set(loaded_after_import(*modules)) & set(INGRESS_MUST_NOT_LOAD)
+    assert not bad, f"importing app.ingress loads {sorted(bad)}"
 
 
 # ---------------------------------------------------------------------------- the test tiers

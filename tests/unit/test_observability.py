@@ -1,6 +1,7 @@
 """The Grafana dashboard and Prometheus config name only metrics the service declares.
 
-The static half: names against app.telemetry's constants. That a deployment really creates
+The static half: names against app.telemetry's table of metrics (``METRICS``), the one the
+router and the replicas make their metrics from. That a deployment really creates
 and exports each of them is checked on a running app, in a real scrape:
 tests/e2e/test_serving.py::test_every_metric_the_dashboard_queries_is_exported (a declared
 but never created gauge passed here and failed there)."""
@@ -14,36 +15,11 @@ from pathlib import Path
 import yaml
 
 from app import telemetry
+from app.ingress.instruments import ROUTER_METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parents[2] / "configs" / "observability"
-KINDS = {
-    telemetry.ROUTER_REQUESTS: "counter",
-    telemetry.ROUTER_LATENCY_MS: "histogram",
-    telemetry.ROUTER_FAILOVERS: "counter",
-    telemetry.ROUTER_REJECTIONS: "counter",
-    telemetry.ROUTER_IN_FLIGHT: "gauge",
-    telemetry.ROUTER_CANARY_WEIGHT_BP: "gauge",
-    telemetry.REPLICA_DESIRED_REVISION: "gauge",
-    telemetry.REPLICA_ACTUAL_REVISION: "gauge",
-    telemetry.REPLICA_LOAD_STAGE_S: "histogram",
-    telemetry.REPLICA_LOAD_FAILURES: "counter",
-    telemetry.ROLLOUT_EVIDENCE: "gauge",
-    telemetry.ROLLOUT_EVIDENCE_BOUND: "gauge",
-    telemetry.ROLLOUT_DRIFT_REPAIRS: "counter",
-    telemetry.ROUTER_BREAKER_STATE: "gauge",
-    telemetry.ROUTER_SERVING_FROM_FALLBACK: "gauge",
-    telemetry.ROUTER_PRIMARIES_DOWN: "gauge",
-    telemetry.ROUTER_FALLBACK_READY: "gauge",
-    telemetry.ROUTER_FALLBACK_ALLOWED: "gauge",
-    telemetry.ROUTER_FALLBACK_WAITING: "gauge",
-    telemetry.ROUTER_SHADOW_REQUESTS: "counter",
-    telemetry.ROUTER_SHADOW_RBO: "histogram",
-    telemetry.ROUTER_SHADOW_OVERLAP: "histogram",
-    telemetry.ROUTER_SHADOW_SCORE_DIFF: "histogram",
-    telemetry.ROUTER_SHADOW_TOP1_CHANGED: "counter",
-    telemetry.ROUTER_SHADOW_IN_FLIGHT: "gauge",
-    telemetry.ROUTER_SHADOW_FRACTION_BP: "gauge",
-}
+# Every metric the service exports, with its kind: the table the deployments build them from.
+KINDS = {spec.name: spec.kind for spec in telemetry.METRICS}
 RAY_BUILTINS = {"ray_serve_deployment_replica_healthy"}
 
 
@@ -55,6 +31,22 @@ def exported_series() -> set[str]:
         if kind == "histogram":
             names.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})
     return names
+
+
+def test_the_table_names_each_metric_once_with_buckets_for_histograms_only():
+    names = [spec.name for spec in telemetry.METRICS]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for spec in telemetry.METRICS:
+        assert spec.description, spec.name
+        assert bool(spec.boundaries) == (spec.kind == "histogram"), spec.name
+        assert list(spec.boundaries) == sorted(spec.boundaries), spec.name
+
+
+def test_the_router_makes_every_router_metric_of_the_table():
+    """The ingress core's instrument groups cover the table's router rows, no more, no less
+    (a row no group makes would never be exported)."""
+    router_rows = {s.name for s in telemetry.METRICS if s.name.startswith("ranker_router_")}
+    assert router_rows == ROUTER_METRIC_NAMES
 
 
 def test_dashboard_queries_use_exported_metrics_only():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from app.routing import (
+from app.ingress.routing import (
     BASIS_POINTS,
     CohortHealth,
     bucket,

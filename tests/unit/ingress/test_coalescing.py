@@ -1,5 +1,5 @@
-"""The router's per-cohort coalescing of requests into handle calls (app.coalescing): asyncio
-with a fake replica whose calls the test answers one by one, no Ray."""
+"""The router's per-cohort coalescing of requests into handle calls (app.ingress.coalescing):
+asyncio with a fake replica whose calls the test answers one by one, no Ray."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.coalescing import Answer, CohortCoalescer
 from app.contracts import ModelMeta, WireAnswer, WireRequest
+from app.ingress.coalescing import Answer, CohortCoalescer
 from app.models.ranker_mlp.features import NUM_FEATURES
 
 META = ModelMeta("ranker-v42", 7, "canary", "torch-test", "replica-1")

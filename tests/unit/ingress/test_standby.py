@@ -10,8 +10,7 @@ import pytest
 
 from app.contracts import RouterConfig, StandbyConfig
 from app.errors import ConfigError
-from app.manifest import Manifest
-from app.standby import (
+from app.ingress.standby import (
     BreakerState,
     PrimaryBreaker,
     accuracy_verdict,
@@ -20,6 +19,7 @@ from app.standby import (
     primaries_down,
     route_with_standby,
 )
+from app.manifest import Manifest
 
 CONFIG = StandbyConfig(
     trip_after_failures=5,

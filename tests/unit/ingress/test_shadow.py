@@ -1,5 +1,5 @@
-"""Mirroring of stable-answered requests to the canary (app/shadow.py): which users are copied,
-and the bound on copies in flight. asyncio with a fake canary the test answers, no Ray."""
+"""Mirroring of stable-answered requests to the canary (app/ingress/shadow.py): which users are
+copied, and the bound on copies in flight. asyncio with a fake canary the test answers, no Ray."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from app.contracts import BASIS_POINTS, ModelMeta, ShadowRouting, WireRequest
+from app.ingress.routing import choose_cohort, request_key
+from app.ingress.shadow import COMPARED, DROPPED, ERROR, Comparison, ShadowMirror, is_mirrored
 from app.models.ranker_mlp.features import NUM_FEATURES
-from app.routing import choose_cohort, request_key
-from app.shadow import COMPARED, DROPPED, ERROR, Comparison, ShadowMirror, is_mirrored
 
 STABLE_META = ModelMeta("ranker-v41", 3, "stable", "torch-test", "stable-1")
 CANARY_META = ModelMeta("ranker-v43", 4, "canary", "torch-test", "canary-1")
