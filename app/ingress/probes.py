@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from app.api import LoopView
 from app.contracts import InstanceReport, clip_text
+from app.supervised import restart_pause
 
 log = logging.getLogger("ray.serve")
 
@@ -120,9 +121,8 @@ class ProbeLoopRestarts:
         starting the loop again."""
         self.died_at = now
         self.view = LoopView(restarts=self.view.restarts + 1, last_error=clip_text(why))
-        delay = min(PROBE_RESTART_MAX_DELAY_S, PROBE_RESTART_DELAY_S * 2.0**self.deaths_in_row)
         self.deaths_in_row += 1
-        return delay
+        return restart_pause(self.deaths_in_row, PROBE_RESTART_DELAY_S, PROBE_RESTART_MAX_DELAY_S)
 
     def round_completed(self) -> None:
         self.deaths_in_row = 0
