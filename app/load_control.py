@@ -22,16 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.errors import RolloutSystemError
+from app.errors import LoadCancelled
 from app.load_pacing import LoadPacer
 
 LoadStage = Literal["fetch", "verify", "load"]
-
-
-class LoadCancelled(RolloutSystemError):
-    """The load's target is no longer wanted (a newer one, or none): not a failure."""
-
-    category = "cancelled"
 
 
 @dataclass(frozen=True)

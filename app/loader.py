@@ -38,8 +38,8 @@ from torch import nn
 
 from app.compatibility import PRECISION_NAMES, WEIGHTS_FILES, check_compatibility
 from app.contracts import WireRequest
-from app.errors import ArtifactRejected
-from app.load_control import LoadCancelled, LoadControl, begin, checkpoint
+from app.errors import ArtifactRejected, BackboneFreed, LoadCancelled
+from app.load_control import LoadControl, begin, checkpoint
 from app.manifest import Architecture, BackboneRef, Manifest
 from app.memory import MemoryBudget, MemoryEstimate, check_budget, estimate_peak
 from app.model_family import (
@@ -908,10 +908,6 @@ class ResidentBackbone:
                     "(backbone tensors are read-only: every head and in-flight request "
                     "reads them)",
                 )
-
-
-class BackboneFreed(RuntimeError):
-    """The backbone's last user released it: load it again."""
 
 
 # A head's backbone: an acquired ResidentBackbone for the head's manifest (its pinned

@@ -21,18 +21,11 @@ import torch
 from app.artifact_store import check_uri_allowed, shown_uri
 from app.cache import ArtifactCache, Lease
 from app.contracts import DEFAULT_FEATURE_SCHEMA, LoadingConfig, LoadTimings, Target
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, BackboneFreed
 from app.generations import Generation, GenerationHolder
 from app.load_control import LoadControl
 from app.load_pacing import LoadPacer
-from app.loader import (
-    BackboneFreed,
-    CandidateLoad,
-    LoadedModel,
-    ResidentBackbone,
-    load_backbone,
-    load_verified,
-)
+from app.loader import CandidateLoad, LoadedModel, ResidentBackbone, load_backbone, load_verified
 from app.manifest import BackboneRef, Manifest, backbone_manifest_uri
 from app.memory import MemoryBudget
 from app.model_family import DEFAULT_FAMILIES, Families, families_for

@@ -45,8 +45,8 @@ from queue import SimpleQueue
 from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import MAX_FIELD_PATH, ErrorInfo, ReplicaPhase, RetryConfig, Target, clip_text
-from app.errors import ArtifactRejected, FetchFailed, RolloutSystemError
-from app.load_control import LoadCancelled, LoadControl, StageProgress
+from app.errors import ArtifactRejected, FetchFailed, LoadCancelled, RolloutSystemError
+from app.load_control import LoadControl, StageProgress
 from app.safe_text import redact_in, redact_uri
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RequestInvalid, read_body
+from app.api import read_body
 from app.contracts import (
     BatchingConfig,
     CohortArgs,
@@ -30,7 +30,7 @@ from app.contracts import (
     WireAnswer,
     WireRequest,
 )
-from app.faults import InjectedFault
+from app.errors import InjectedFault, RequestInvalid
 from app.replica import RankerReplica
 
 log = logging.getLogger("ray.serve")

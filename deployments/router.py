@@ -30,13 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import (
-    CohortView,
-    LoopView,
-    ReplicaView,
-    RequestInvalid,
-    StatusResponse,
-)
+from app.api import CohortView, LoopView, ReplicaView, StatusResponse
 from app.body_reads import BodyReads
 from app.coalescing import CohortCoalescer
 from app.contracts import (
@@ -58,7 +52,7 @@ from app.contracts import (
     WireRequest,
     clip_text,
 )
-from app.errors import ConfigError
+from app.errors import ConfigError, RequestInvalid
 from app.model_family import DEFAULT_FAMILIES, ParsedRequest, families_for
 from app.routing import (
     CohortHealth,

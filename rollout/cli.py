@@ -1073,7 +1073,7 @@ def _standby_view(url: str, app_name: str, timeout_s: float) -> StandbyView:
     Serve handle in this short-lived process: its background polling outlives the command)."""
     import httpx
 
-    from rollout.cluster import ClusterUnreachable
+    from app.errors import ClusterUnreachable
 
     try:
         answer = httpx.get(url, timeout=max(0.1, timeout_s))
@@ -1137,7 +1137,8 @@ def standby_command(
     as_json: bool,
 ) -> None:
     """The router's hot standby: where traffic goes, each breaker, the accuracy guard."""
-    from rollout.cluster import ClusterUnreachable, connect
+    from app.errors import ClusterUnreachable
+    from rollout.cluster import connect
     from rollout.serve_control import ServeControl
 
     deadline = time.monotonic() + timeout_s

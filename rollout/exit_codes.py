@@ -11,6 +11,7 @@ from typing import Final
 
 from app.errors import (
     ArtifactRejected,
+    ClusterUnreachable,
     ConfigError,
     FetchFailed,
     InvalidState,
@@ -20,8 +21,25 @@ from app.errors import (
     RevisionConflict,
     RolloutSystemError,
     ServeUnreachable,
+    error_line,
 )
-from rollout.cluster import ClusterUnreachable
+
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_CONFLICT",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "EXIT_ROLLOUT_ABORTED",
+    "EXIT_ROLLOUT_FAILED",
+    "EXIT_ROLLOUT_ROLLED_BACK",
+    "EXIT_UNAVAILABLE",
+    "EXIT_UNEXPECTED",
+    "EXIT_USAGE",
+    "error_line",  # the one line an error prints, beside the code it exits with
+    "exit_code_for",
+    "exit_code_for_phase",
+]
 
 EXIT_OK: Final = 0
 EXIT_UNEXPECTED: Final = 1  # anything else
@@ -64,9 +82,3 @@ def exit_code_for_phase(phase: object) -> int:
     ``RolloutPhase`` or its value; None: no rollout)."""
     value = getattr(phase, "value", phase)
     return _EXIT_FOR_PHASE.get(str(value), EXIT_OK)
-
-
-def error_line(category: str, message: str) -> str:
-    """What a command prints for an error: one line (a driver's message may span several),
-    whatever the command."""
-    return f"error[{category}]: {' '.join(message.split())}"

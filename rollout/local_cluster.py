@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from app.polling import WaitTimeout, wait_until
+from app.errors import WaitTimeout
+from app.polling import wait_until
 from rollout.serve_control import ServeControl
 
 # Ports this process has handed out. The kernel may give a port that was just closed again

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from app.cache import NODE_CACHE_DIR_ENV
-from app.polling import WaitTimeout, wait_until
+from app.errors import WaitTimeout
+from app.polling import wait_until
 from rollout.cluster import HEAD_NODE_RESOURCE
 from rollout.local_cluster import free_port
 from rollout.serve_control import ServeControl, ServeUnreachable

@@ -34,8 +34,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.client import AsyncRankerClient, RankerHTTPError, RetriesExhausted, RetryPolicy
+from app.client import AsyncRankerClient, RetryPolicy
 from app.contracts import CANARY, COHORTS
+from app.errors import RankerHTTPError, RetriesExhausted
 from app.model_family import SHIPPED_FAMILIES, families_for
 from app.request_bodies import DEFAULT_CANDIDATES, DEFAULT_SEED, DEFAULT_TOP_N, rank_bodies
 

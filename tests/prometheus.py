@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 import yaml
 
-from app.polling import WaitTimeout, wait_until
+from app.errors import WaitTimeout
+from app.polling import wait_until
 from rollout.local_cluster import free_port
 
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")

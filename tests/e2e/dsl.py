@@ -36,8 +36,9 @@ from typing import Any, NoReturn
 import ray
 
 from app.contracts import RouterConfig
+from app.errors import WaitTimeout
 from app.packing import PackResult
-from app.polling import WaitTimeout, wait_until
+from app.polling import wait_until
 from app.routing import BASIS_POINTS, choose_cohort, request_key
 from rollout.actor import ensure_controller, get_controller
 from rollout.traffic import RequestRecord, TrafficRun, summarize, switches_per_user, write_records

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.api import MAX_BODY_BYTES, MAX_CANDIDATES, RequestInvalid
+from app.api import MAX_BODY_BYTES, MAX_CANDIDATES
 from app.contracts import RouterConfig
+from app.errors import RequestInvalid
 from app.models.ranker_mlp.features import NUM_FEATURES, encode_context, parse_rank_body, to_wire
 
 

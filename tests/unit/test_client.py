@@ -13,14 +13,8 @@ from email.utils import format_datetime
 import httpx
 import pytest
 
-from app.client import (
-    AsyncRankerClient,
-    RankerClient,
-    RankerHTTPError,
-    RetriesExhausted,
-    RetryPolicy,
-    parse_retry_after,
-)
+from app.client import AsyncRankerClient, RankerClient, RetryPolicy, parse_retry_after
+from app.errors import RankerHTTPError, RetriesExhausted
 
 OK_BODY = {"ranking": [{"id": "a", "score": 0.9}], "model": {"artifact_id": "ranker-v41"}}
 

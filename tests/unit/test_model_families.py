@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.api import RequestInvalid
 from app.contracts import DEFAULT_FEATURE_SCHEMA, AppArgs, ReplicaConfig
-from app.errors import ArtifactRejected, ConfigError
+from app.errors import ArtifactRejected, ConfigError, RequestInvalid
 from app.loader import check_compatibility, load_verified
 from app.manifest import Architecture
 from app.model_family import (

@@ -26,9 +26,9 @@ import torch
 
 from app.cache import CHUNK_BYTES, ArtifactCache
 from app.contracts import MemoryConfig
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, LoadCancelled
 from app.generations import GenerationHolder
-from app.load_control import LoadCancelled, LoadControl, LoadStage
+from app.load_control import LoadControl, LoadStage
 from app.loader import WEIGHTS_FILES, SafetensorsAssembler, load_verified
 from app.memory import MemoryBudget
 from app.model_loading import ModelLoader
