@@ -104,8 +104,8 @@ from rollout.serve_port import (
 )
 from rollout.shadow_judge import expectation_applies
 from rollout.state import RolloutState
-from rollout.status_view import controller_status, fields_of, rollout_summary
 from rollout.targets import TargetBook
+from rollout.views import controller_status, fields_of, rollout_summary
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import yaml
 from app.demo_artifacts import make_demo_artifacts
 from app.polling import wait_until
 from app.registry import open_registry
+from rollout.cli.exit_codes import exit_code_for_phase
 from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
-from rollout.exit_codes import exit_code_for_phase
 from rollout.multinode import MultiNodeCluster, multinode_cluster
 from tests.e2e.harness import (
     FAST_PLAN,

@@ -21,7 +21,7 @@ from rollout.machine import Abort
 from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.serve_port import HttpServePort
-from rollout.status_view import wire
+from rollout.views import wire
 from tests.integration.manifests import write_manifest
 from tests.unit.fakes import (
     FakeDashboard,
