@@ -27,7 +27,7 @@ import yaml
 
 from app.errors import WaitTimeout
 from app.polling import wait_until
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")
 SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "configs/observability/prometheus.yml"

@@ -8,7 +8,7 @@ gives up after ``--timeout`` seconds (exit 7).
 
 The commands live one family to a module: ``artifacts`` (pack, verify, replay, keygen,
 make-demo-artifacts), ``operate`` (the controller and the rollouts), ``registry`` (``rollout
-registry ...``, imported when named) and the demo (``rollout.demo``, imported when named).
+registry ...``, imported when named) and the demo (``rollout.local.demo``, imported when named).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class _Commands(click.Group):
     fifth of a second: CI scripts and shells call this binary often)."""
 
     LAZY: Final = {
-        "demo": ("rollout.demo", "demo_command"),
+        "demo": ("rollout.local.demo", "demo_command"),
         "registry": ("rollout.cli.registry", "registry_group"),
     }
 

@@ -41,7 +41,13 @@ from app.packing import PackResult
 from app.polling import wait_until
 from app.routing import BASIS_POINTS, choose_cohort, request_key
 from rollout.actor import ensure_controller, get_controller
-from rollout.traffic import RequestRecord, TrafficRun, summarize, switches_per_user, write_records
+from rollout.local.traffic import (
+    RequestRecord,
+    TrafficRun,
+    summarize,
+    switches_per_user,
+    write_records,
+)
 from tests.e2e.harness import (
     FAST_PLAN,
     ROLLOUT_APP,
