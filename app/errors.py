@@ -7,54 +7,42 @@ re-export them, so an old import path (``app.api.RequestInvalid``) keeps working
 private exceptions stay in their modules: they never leave them (``_DuplicateKey``,
 ``_HitUnreadable``, ``_RedirectRefused``).
 
-The tree::
+The tree (base classes of the standard library in parentheses), each with when it is raised::
 
-    RolloutSystemError                  base of everything the domain refuses on purpose
-    ├── ArtifactRejected                an artifact failed verification, load or dry run
-    │                                   (category: manifest_digest, path, limits, missing,
-    │                                   extra, size, digest, schema, runtime, signature,
-    │                                   load, dry_run, budget, backbone)
-    ├── FetchFailed                     the artifact store could not be read (connection
-    │                                   refused, DNS, timeout, 5xx): nothing was
-    │                                   judged about the artifact, retry (category: fetch)
-    ├── ConfigError                     invalid configuration or plan (names the field)
-    ├── RegistryError                   the model registry refused an operation
-    │   ├── NotFound                    unknown model / artifact / target / rollout
-    │   │   └── ControllerNotRunning    the cluster has no rollout controller (read and
-    │   │                               operator commands never create one)
-    │   ├── InvalidState                e.g. publishing an artifact that is not ``ready``
-    │   ├── DigestMismatch              same artifact id registered with another digest
-    │   ├── RevisionConflict            compare-and-set lost; carries the current target
-    │   ├── ConsistencyError            same revision observed with a different artifact
-    │   ├── RegistryUnavailable         the database cannot be reached or stays locked: retry
-    │   └── SchemaVersionError          database schema newer than this code knows
-    ├── TargetConflict                  another writer moved a cohort's target while a
-    │                                   rollout wanted it elsewhere (the controller yields)
-    ├── ServeControlError               Serve's REST API refused or failed a config call
-    │   └── ServeUnreachable            the dashboard did not answer, or a 5xx: retry
-    ├── ClusterUnreachable              no Ray cluster answered at the address, or not
-    │                                   within ``--timeout``: retry
-    ├── NotReady                        a replica's generations hold no model yet, or are
-    │                                   closed (HTTP 503)
-    └── LoadCancelled                   a load's target was superseded or cleared: the load
-                                        stops, not a failure
-    RequestInvalid (ValueError)         a client's mistake in an HTTP request: 422 naming
-    │                                   the field
-    ├── BodyTooLarge                    a body over ``MAX_BODY_BYTES``: 413
-    ├── BodyReadTimeout                 a body not read whole within ``body_timeout_s``: 408
-    └── BodyReadsFull                   too many bodies, or bytes, being read at once: 503
-    RankerClientError                   the ranking client (``app.client``) gave up
-    ├── RankerHTTPError                 a non-retryable answer (e.g. 422)
-    └── RetriesExhausted                every retry of a retryable failure was spent
-    ReplicaNotReady (RuntimeError)      a ranker replica has no verified model installed
-    StartupLoadFailed (RuntimeError)    a replica's first target failed to load (its message
-                                        redacted or cut for Serve's status)
-    BackboneFreed (RuntimeError)        a shared backbone's last user released it: load again
-    InjectedFault (RuntimeError)        a rank call failed on purpose (fault injection, tests)
-    MetricsUnavailable                  no metrics endpoint could be read: the window is
-                                        unknown (inconclusive), not empty
-    WaitTimeout (TimeoutError,          ``app.polling.wait_until``'s condition did not hold
-                 AssertionError)        in time
+    RolloutSystemError                the domain refused or failed, on purpose; has a category
+    ├── ArtifactRejected              an artifact failed verification, load or dry run
+    ├── FetchFailed                   the artifact store could not be read: retry
+    ├── ConfigError                   a configuration or plan the code cannot use (names it)
+    ├── RegistryError                 the model registry refused an operation
+    │   ├── NotFound                  no such model, artifact, target or rollout
+    │   │   └── ControllerNotRunning  the cluster has no rollout controller
+    │   ├── InvalidState              e.g. publishing an artifact that is not ready
+    │   ├── DigestMismatch            an artifact id registered again with another digest
+    │   ├── RevisionConflict          a compare-and-set lost; carries the current target
+    │   ├── ConsistencyError          a revision seen again with a different artifact
+    │   ├── RegistryUnavailable       the database is out of reach or stays locked: retry
+    │   └── SchemaVersionError        the database's schema is newer than this code
+    ├── TargetConflict                another writer moved a target a rollout wanted
+    ├── ServeControlError             Serve's REST API refused or failed a config call
+    │   └── ServeUnreachable          the dashboard did not answer, or a 5xx: retry
+    ├── ClusterUnreachable            no Ray cluster answered, or not within --timeout: retry
+    ├── NotReady                      a replica holds no model yet, or is closed (503)
+    └── LoadCancelled                 a load's target was superseded or cleared: not a failure
+    RequestInvalid (ValueError)       a client's HTTP request is wrong: 422 naming the field
+    ├── BodyTooLarge                  a body over MAX_BODY_BYTES: 413
+    ├── BodyReadTimeout               a body not read whole within body_timeout_s: 408
+    └── BodyReadsFull                 too many bodies, or bytes, read at once: 503
+    RankerClientError (Exception)     the ranking client (app.client) gave up
+    ├── RankerHTTPError               a non-retryable answer (e.g. 422)
+    └── RetriesExhausted              every retry of a retryable failure was spent
+    ReplicaNotReady (RuntimeError)    a ranker replica has no verified model installed
+    StartupLoadFailed (RuntimeError)  a replica's first load failed (message cut for Serve)
+    BackboneFreed (RuntimeError)      a shared backbone's last user let it go: load it again
+    InjectedFault (RuntimeError)      a rank call failed on purpose (fault injection, tests)
+    MetricsUnavailable (Exception)    no metrics endpoint could be read: window unknown
+    WaitTimeout (TimeoutError, AssertionError)  wait_until's condition did not hold in time
+
+``ArtifactRejected`` carries one of ``REJECTION_CATEGORIES`` as its category.
 """
 
 from __future__ import annotations
