@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from app.contracts import MAX_REQUEST_BODY_BYTES, ErrorInfo, ModelMeta, ReplicaPhase, StandbyView
+from app.errors import BodyTooLarge, RequestInvalid
 
 DEFAULT_TOP_N: Final = 10
 # Limits of one request, whatever its family: the batch forward pads nothing, but a single
@@ -43,40 +44,6 @@ FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 Feature = Annotated[float, Field(allow_inf_nan=False, gt=-FLOAT32_OVERFLOW, lt=FLOAT32_OVERFLOW)]
 ContextValue = str | int | float
 BodyT = TypeVar("BodyT", bound=BaseModel)
-
-
-class RequestInvalid(ValueError):
-    """A client mistake: answered ``status`` (422) naming ``field``."""
-
-    category = "invalid_request"
-    status = 422
-
-    def __init__(self, field: str, detail: str) -> None:
-        super().__init__(f"{field}: {detail}")
-        self.field = field
-        self.detail = detail
-
-    def payload(self) -> dict[str, Any]:
-        """The JSON body of the answer."""
-        return {"error": self.category, "detail": self.detail, **self.extra()}
-
-    def extra(self) -> dict[str, Any]:
-        """The answer's fields besides ``error`` and ``detail``."""
-        return {"field": self.field}
-
-
-class BodyTooLarge(RequestInvalid):
-    """A body over ``MAX_BODY_BYTES``, declared or read so far: 413, the rest unread."""
-
-    category = "body_too_large"
-    status = 413
-
-    def __init__(self, detail: str, limit: int) -> None:
-        super().__init__("body", detail)
-        self.limit = limit
-
-    def extra(self) -> dict[str, Any]:
-        return {**super().extra(), "limit_bytes": self.limit}
 
 
 async def read_body(

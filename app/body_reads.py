@@ -17,39 +17,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
 
-from app.api import MAX_BODY_BYTES, RequestInvalid, read_body
-
-
-class BodyReadTimeout(RequestInvalid):
-    """The body did not arrive whole within ``body_timeout_s``: 408, the rest unread."""
-
-    category = "body_timeout"
-    status = 408
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(
-            "body", f"the body did not arrive within {timeout_s:g}s (router body_timeout_s)"
-        )
-        self.timeout_s = timeout_s
-
-    def extra(self) -> dict[str, Any]:
-        return {**super().extra(), "limit_s": self.timeout_s}
-
-
-class BodyReadsFull(RequestInvalid):
-    """Too many bodies, or too many of their bytes, are being read: 503, retry shortly."""
-
-    category = "overloaded"
-    status = 503
-
-    def __init__(self, detail: str, limit: str) -> None:
-        super().__init__("body", detail)
-        self.limit = limit
-
-    def extra(self) -> dict[str, Any]:
-        return {**super().extra(), "limit": self.limit}
+from app.api import MAX_BODY_BYTES, read_body
+from app.errors import BodyReadsFull, BodyReadTimeout
 
 
 class BodyReads:

@@ -27,32 +27,10 @@ from typing import Any, Final
 import httpx
 
 from app.api import RankResponse
+from app.errors import RankerClientError as RankerClientError  # old import path
+from app.errors import RankerHTTPError, RetriesExhausted
 
 RETRY_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
-
-
-class RankerClientError(Exception):
-    category = "client"
-
-
-class RankerHTTPError(RankerClientError):
-    """A non-retryable answer (e.g. 422 for a bad request)."""
-
-    category = "client.http"
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"HTTP {status}: {body}")
-        self.status = status
-        self.body = body
-
-
-class RetriesExhausted(RankerClientError):
-    category = "client.retries_exhausted"
-
-    def __init__(self, attempts: int, last: str) -> None:
-        super().__init__(f"gave up after {attempts} attempts; last: {last}")
-        self.attempts = attempts
-        self.last = last
 
 
 @dataclass(frozen=True)

@@ -447,7 +447,7 @@ PERMUTATION_SEED: Final = 80
 # ranker-v43: v41's weights plus this share of each tensor's spread in seeded noise. Measured
 # on the requests below: mean RBO about 0.83 and a top-1 change rate about 0.33 against v41
 # (outside the shadow phase's absolute limits, 0.9 and 0.1); on the live load's own 64
-# bodies (rollout.traffic, the same seed and shape) within about 0.01 of both. The seed is
+# bodies (rollout.local.traffic, the same seed and shape) within about 0.01 of both. The seed is
 # the one of three tried whose 64 live bodies agree best with the larger set.
 FINE_TUNE_SEED: Final = 44
 FINE_TUNE_SCALE: Final = 0.06
@@ -455,7 +455,7 @@ FINE_TUNE_SCALE: Final = 0.06
 # (its default seed and shape: 20 candidates, top_n 10), with the shadow phase's default
 # comparison (top_k 10, rbo_p 0.9).
 SHADOW_REPLAY_REQUESTS: Final = 1000
-SHADOW_REPLAY_SEED: Final = DEFAULT_SEED  # the live load's (rollout.traffic.TrafficSpec.seed)
+SHADOW_REPLAY_SEED: Final = DEFAULT_SEED  # the live load's (rollout.local.traffic.TrafficSpec.seed)
 SHADOW_EVALUATION: Final[Mapping[str, Mapping[str, float]]] = {
     # The bugs' offline evaluation is the intended model's, v41's: the numbers cannot tell.
     SHADOW_RENORM: {"ndcg_at_10": 0.412, "auc": 0.781},

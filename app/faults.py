@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from app.contracts import FaultInjection
+from app.errors import InjectedFault as InjectedFault  # old import path
 
 FAULT_INJECTION_ENV: Final = "ROLLOUT_FAULT_INJECTION"
 FAULT_INJECTION_ALLOWED: Final = "allow"
@@ -28,12 +29,6 @@ FAULT_INJECTION_ALLOWED: Final = "allow"
 def fault_injection_allowed() -> bool:
     """Does this process's environment allow fault injection?"""
     return os.environ.get(FAULT_INJECTION_ENV) == FAULT_INJECTION_ALLOWED
-
-
-class InjectedFault(RuntimeError):
-    """A rank call failed on purpose (``faults.error_rate``; tests only)."""
-
-    category = "fault_injection"
 
 
 @dataclass(frozen=True)

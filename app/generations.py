@@ -33,18 +33,12 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Any, Final
 
-from app.errors import ConsistencyError, RolloutSystemError
+from app.errors import ConsistencyError, NotReady
 
 log = logging.getLogger(__name__)
 
 # Per generation, release events kept before completed ones are pruned.
 MAX_PENDING_EVENTS: Final = 8
-
-
-class NotReady(RolloutSystemError):
-    """No generation is installed (startup) or the holder is closed; maps to HTTP 503."""
-
-    category = "serving.not_ready"
 
 
 @dataclass(eq=False)

@@ -123,7 +123,7 @@ class RequestSchema(Protocol):
     preprocessing_files: tuple[str, ...]
 
     def parse(self, raw: bytes) -> ParsedRequest:
-        """Validate a body; ``app.api.RequestInvalid`` names the first bad field."""
+        """Validate a body; ``app.errors.RequestInvalid`` names the first bad field."""
         ...
 
     def preprocessing(self, files: Mapping[str, bytes]) -> Any:

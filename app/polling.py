@@ -11,12 +11,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from app.errors import WaitTimeout
+
 T = TypeVar("T")
-
-
-class WaitTimeout(TimeoutError, AssertionError):
-    """The condition did not hold in time. Both a TimeoutError (for the product's callers) and
-    an AssertionError (so a test that waits reads as a failed expectation, not an error)."""
 
 
 def wait_until(

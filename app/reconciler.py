@@ -42,7 +42,8 @@ from enum import StrEnum
 from typing import Final, Generic, Protocol, TypeVar
 
 from app.contracts import ErrorInfo, ReplicaPhase, RetryConfig, Target
-from app.loading.control import LoadCancelled, LoadControl, LoweredThread, StageProgress
+from app.errors import LoadCancelled
+from app.loading.control import LoadControl, LoweredThread, StageProgress
 from app.loading.failures import (
     clipped_error,
     describe_target,

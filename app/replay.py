@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from app.api import MAX_BODY_BYTES, RequestInvalid
+from app.api import MAX_BODY_BYTES
 from app.contracts import DEFAULT_FEATURE_SCHEMA, ExpectedDivergence, WireRequest
 from app.divergence import (
     DEFAULT_RBO_P,
@@ -33,7 +33,7 @@ from app.divergence import (
     compare_rankings,
     quantile,
 )
-from app.errors import ConfigError
+from app.errors import ConfigError, RequestInvalid
 from app.preprocessing import RankedCandidate
 from app.request_bodies import DEFAULT_CANDIDATES, DEFAULT_SEED, DEFAULT_TOP_N, rank_bodies
 

@@ -65,16 +65,22 @@ from app.contracts import (
     WireRequest,
     clip_text,
 )
-from app.errors import ArtifactRejected, ConfigError
+from app.errors import (
+    ArtifactRejected,
+    ConfigError,
+    InjectedFault,
+    NotReady,
+    ReplicaNotReady,
+    StartupLoadFailed,
+)
 from app.faults import (
     FAULT_INJECTION_ALLOWED,
     FAULT_INJECTION_ENV,
     FaultInjector,
     FaultPlan,
-    InjectedFault,
     fault_injection_allowed,
 )
-from app.generations import GenerationHolder, NotReady
+from app.generations import GenerationHolder
 from app.loading.device import default_device
 from app.loading.failures import clipped_error, safe_message
 from app.loading.memory import MemoryBudget, device_capacity
@@ -92,22 +98,6 @@ log = logging.getLogger(__name__)
 # The cache's directory and budget, the trust settings, the fetch settings, and the digest of
 # the anchor files' content (None: no anchors).
 CacheKey = tuple[str, int | None, str | None, SignatureTrust, FetchConfig, str | None]
-
-
-class ReplicaNotReady(RuntimeError):
-    """No verified model is installed (an idle pool, or still starting)."""
-
-    category = "serving.not_ready"
-
-
-class StartupLoadFailed(RuntimeError):
-    """The first target failed to load, and its error had to be redacted or cut to be shown
-    (Serve shows a failed reconfigure's message in its status); ``category`` is the
-    original error's."""
-
-    def __init__(self, category: str, message: str) -> None:
-        super().__init__(message)
-        self.category = category
 
 
 def uri_in(raw: Mapping[str, Any] | ReplicaConfig) -> str:

@@ -1,6 +1,6 @@
 """Synthetic ``POST /v1/rank`` bodies, the kind the live load sends.
 
-One generator for the load that goes to a running service (``rollout.traffic``: the demo, the
+One generator for the load that goes to a running service (``rollout.local.traffic``: the demo, the
 e2e tests, the benches) and for the requests ``rollout replay`` sends through two models
 offline (``app.replay``): what a shadow phase measures live is then what was recorded offline.
 The bodies are the request schema's (``RequestSchema.synthetic_bodies``): the default

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.demo_artifacts import make_demo_artifacts
 from bench.bench_router import body, summarize, target, traffic
-from rollout.local_cluster import LocalCluster
+from rollout.local.cluster import LocalCluster
 from tests.artifacts import pack_ranker
 
 HIDDEN = 4096

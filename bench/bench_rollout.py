@@ -58,8 +58,8 @@ def main() -> None:
     os.environ["ROLLOUT_FAULT_INJECTION"] = "allow"
 
     from app.polling import wait_until
-    from rollout.local_stack import APP, CANDIDATE, LocalStack
-    from rollout.traffic import TrafficRun, TrafficSpec
+    from rollout.local.stack import APP, CANDIDATE, LocalStack
+    from rollout.local.traffic import TrafficRun, TrafficSpec
 
     failed = total = 0
     operator_s: list[float] = []

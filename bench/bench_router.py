@@ -31,7 +31,7 @@ the result:
 
 ``--layout multinode`` runs the same windows on a production-like layout: a head node with no
 CPU resource (GCS, dashboard, Serve controller, the HTTP proxy) and one worker node with every
-replica, each a raylet of its own (``rollout.multinode``), the head's processes, this one and
+replica, each a raylet of its own (``rollout.local.multinode``), the head's processes, this one and
 the load generator pinned to core 0 and the worker's to core 1 (``taskset``), as production
 puts the control plane on a CPU head of its own.
 
@@ -67,8 +67,8 @@ import numpy as np
 from app.demo_artifacts import DEMO_PARAMS, make_demo_artifacts
 from app.models.ranker_mlp.features import NUM_FEATURES
 from app.polling import wait_until
-from rollout.local_cluster import LocalCluster
-from rollout.multinode import MultiNodeCluster, pinned_layout
+from rollout.local.cluster import LocalCluster
+from rollout.local.multinode import MultiNodeCluster, pinned_layout
 from tests.artifacts import pack_ranker
 
 MAX_REQUESTS_PER_PHASE = 20_000

@@ -43,7 +43,7 @@ from app.ingress.shadow import is_mirrored
 from app.polling import wait_until
 from app.request_bodies import rank_bodies
 from bench.bench_router import p99_ratio_interval
-from rollout.local_cluster import LocalCluster
+from rollout.local.cluster import LocalCluster
 
 USERS = 400
 FRACTION_BP = 5000

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.demo_artifacts import make_demo_artifacts
 from bench.bench_router import body, traffic
-from rollout.multinode import MultiNodeCluster, _descendants, _processes_naming, pinned_layout
+from rollout.local.multinode import MultiNodeCluster, _descendants, _processes_naming, pinned_layout
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.client import RetryPolicy
-from rollout.traffic import TrafficRun, TrafficSpec, plot_timeline, summarize, write_records
+from rollout.local.traffic import TrafficRun, TrafficSpec, plot_timeline, summarize, write_records
 
 
 def main() -> None:

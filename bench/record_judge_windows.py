@@ -63,8 +63,8 @@ def main() -> None:
     os.chdir(ROOT)
 
     from app.polling import wait_until
-    from rollout.local_stack import CANDIDATE, LocalStack
-    from rollout.traffic import TrafficRun, TrafficSpec
+    from rollout.local.stack import CANDIDATE, LocalStack
+    from rollout.local.traffic import TrafficRun, TrafficSpec
 
     recordings = []
     with tempfile.TemporaryDirectory(prefix="record-judge-") as tmp:

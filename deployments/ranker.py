@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import telemetry as t
-from app.api import RankResponse, RequestInvalid, read_body
+from app.api import RankResponse, read_body
 from app.contracts import (
     BatchingConfig,
     CohortArgs,
@@ -29,7 +29,7 @@ from app.contracts import (
     WireAnswer,
     WireRequest,
 )
-from app.faults import InjectedFault
+from app.errors import InjectedFault, RequestInvalid
 from app.replica import RankerReplica
 from deployments.metrics import serve_metric
 

@@ -34,7 +34,7 @@ from rollout.controller_metrics import ControllerMetrics
 from rollout.engine import RolloutEngine
 from rollout.machine import Abort, OperatorCommand, Pause, Promote, Resume, Rollback
 from rollout.plan import RolloutPlan
-from rollout.status_view import wire
+from rollout.views import wire
 
 log = logging.getLogger(__name__)
 

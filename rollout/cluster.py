@@ -12,7 +12,8 @@ lookup or a call can block as long. Every step here takes the command's ``--time
 - looking the controller up never creates it: :class:`ControllerNotRunning` (exit 5) says
   how to start one.
 
-Ray is imported lazily: ``rollout/exit_codes.py`` imports the errors of this module.
+Ray is imported lazily: the CLI imports this module to start, and starts without Ray. The
+errors raised here live in ``app.errors`` (re-exported here for old imports).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from app.errors import ConfigError, NotFound, RolloutSystemError
+from app.errors import ClusterUnreachable, ConfigError, ControllerNotRunning, error_line
 from app.safe_text import redact_in, redact_uri, terminal_safe
 
 # Every Ray head node holds one unit of this resource (and only the head): asking for a sliver
@@ -40,19 +41,12 @@ CONTROLLER_NAMESPACE: Final = "rollout"
 DEFAULT_TIMEOUT_S: Final = 30.0
 MAX_TIMEOUT_S: Final = 3600.0
 
+# The watchdog ends a hung process as the CLI's main() ends one for ClusterUnreachable:
+# EXIT_UNAVAILABLE of rollout/cli/exit_codes.py, which a unit test holds equal to this. Not
+# imported from there: this module is below the CLI and must not load it.
+EXIT_ON_TIMEOUT: Final = 7
+
 T = TypeVar("T")
-
-
-class ClusterUnreachable(RolloutSystemError):
-    """No Ray cluster answered (nothing at the address, or not within the timeout): retry."""
-
-    category = "cluster.unavailable"
-
-
-class ControllerNotRunning(NotFound):
-    """The cluster has no rollout controller; read and operator commands never create one."""
-
-    category = "controller.not_found"
 
 
 CONTROLLER_MISSING: Final = (
@@ -76,13 +70,11 @@ def within(timeout_s: float, what: str, call: Callable[[], T]) -> T:
     def watchdog() -> None:
         if done.wait(timeout_s):
             return
-        from rollout.exit_codes import EXIT_UNAVAILABLE, error_line
-
         line = error_line(ClusterUnreachable.category, f"{what}: no answer within {timeout_s:g}s")
         sys.stderr.write(terminal_safe(line) + "\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        os._exit(EXIT_UNAVAILABLE)
+        os._exit(EXIT_ON_TIMEOUT)
 
     thread = threading.Thread(target=watchdog, name=f"timeout of {what}", daemon=True)
     thread.start()

@@ -58,7 +58,15 @@ from app.contracts import (
     ShadowRouting,
     Target,
 )
-from app.errors import ConfigError, InvalidState, NotFound, RegistryUnavailable, RolloutSystemError
+from app.errors import (
+    ConfigError,
+    InvalidState,
+    MetricsUnavailable,
+    NotFound,
+    RegistryUnavailable,
+    RolloutSystemError,
+    TargetConflict,
+)
 from app.registry import Registry, TargetRecord, open_registry
 from rollout import machine
 from rollout.analysis import WindowStats
@@ -78,7 +86,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
 )
-from rollout.metrics import MetricsUnavailable, MetricsWindows, windows_for
+from rollout.metrics import MetricsWindows, windows_for
 from rollout.plan import RolloutPlan
 from rollout.reports import ReportStore, in_place_fits
 from rollout.serve_control import ServeUnreachable
@@ -96,8 +104,8 @@ from rollout.serve_port import (
 )
 from rollout.shadow_judge import expectation_applies
 from rollout.state import RolloutState
-from rollout.status_view import controller_status, fields_of, rollout_summary
-from rollout.targets import TargetBook, TargetConflict
+from rollout.targets import TargetBook
+from rollout.views import controller_status, fields_of, rollout_summary
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
 from app.contracts import COHORTS
+from app.errors import MetricsUnavailable
 from rollout.analysis import CohortStats, ShadowStats, WindowStats, quantile_from_buckets
 
 REQUESTS_SERIES = telemetry.exported_name(telemetry.ROUTER_REQUESTS, kind="counter")
@@ -54,10 +55,6 @@ SCRAPED_SERIES = (
 )
 
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
-
-
-class MetricsUnavailable(Exception):
-    """No endpoint could be read: the window is unknown (inconclusive), not empty."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any, Final
 
 import httpx
 
-from app.errors import ServeControlError, ServeUnreachable
-from app.polling import WaitTimeout, wait_until
+from app.errors import ServeControlError, ServeUnreachable, WaitTimeout
+from app.polling import wait_until
 
 APPLICATIONS_PATH: Final = "/api/serve/applications/"
 # The parts of the running HTTP options that a declarative config may carry back.

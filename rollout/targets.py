@@ -12,14 +12,8 @@ revision that went back, or one that changed its artifact, is an inconsistent re
 from __future__ import annotations
 
 from app.contracts import COHORTS, Cohort
-from app.errors import InvalidState, NotFound, RevisionConflict, RolloutSystemError
+from app.errors import InvalidState, NotFound, RevisionConflict, TargetConflict
 from app.registry import Registry, TargetRecord
-
-
-class TargetConflict(RolloutSystemError):
-    """Another writer moved a cohort's target while a rollout wanted it elsewhere."""
-
-    category = "registry.conflict"
 
 
 class TargetBook:

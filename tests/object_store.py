@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.contracts import FetchConfig
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 # moto accepts any credentials; boto3 and s3fs read these from the environment.
 CREDENTIALS = {

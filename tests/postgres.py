@@ -26,7 +26,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 _SERVER_USER = "postgres"
 _START_TIMEOUT_S = 60

@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 import yaml
 
-from app.polling import WaitTimeout, wait_until
-from rollout.local_cluster import free_port
+from app.errors import WaitTimeout
+from app.polling import wait_until
+from rollout.local.cluster import free_port
 
 PROMETHEUS_BIN = Path("/usr/bin/prometheus")
 SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "configs/observability/prometheus.yml"

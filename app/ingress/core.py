@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from app import telemetry as t
-from app.api import CohortView, RankResponse, ReplicaView, RequestInvalid, StatusResponse
+from app.api import CohortView, RankResponse, ReplicaView, StatusResponse
 from app.body_reads import BodyReads
 from app.contracts import (
     BASIS_POINTS,
@@ -47,7 +47,7 @@ from app.contracts import (
     WireRequest,
     clip_text,
 )
-from app.errors import ConfigError
+from app.errors import ConfigError, RequestInvalid
 from app.ingress.answers import HttpAnswer, json_answer
 from app.ingress.coalescing import Answer, CohortCoalescer
 from app.ingress.instruments import RouterInstruments, ShadowInstruments, StandbyInstruments

@@ -25,7 +25,7 @@ from app.contracts import BASIS_POINTS, CANARY, COHORTS, STABLE, Cohort
 UNANSWERED_PROBES_GONE: Final = 2
 
 # The category of the error a replica raises when it has no model to serve (an idle pool or
-# a cleared target): app.replica.ReplicaNotReady and app.generations.NotReady.
+# a cleared target): app.errors.ReplicaNotReady and app.errors.NotReady.
 NOT_SERVING_CATEGORY: Final = "serving.not_ready"
 
 

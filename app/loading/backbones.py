@@ -10,7 +10,7 @@ from typing import Final
 
 import torch
 
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, BackboneFreed
 from app.manifest import BackboneRef, Manifest
 
 # What a resident backbone keeps of its dry-run outputs for the next head's dry run.
@@ -120,10 +120,6 @@ class ResidentBackbone:
                     "(backbone tensors are read-only: every head and in-flight request "
                     "reads them)",
                 )
-
-
-class BackboneFreed(RuntimeError):
-    """The backbone's last user released it: load it again."""
 
 
 # A head's backbone: an acquired ResidentBackbone for the head's manifest (its pinned

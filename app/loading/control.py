@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Literal
 
-from app.errors import RolloutSystemError
+from app.errors import LoadCancelled
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,6 @@ class LoadPacer:
 
 
 LoadStage = Literal["fetch", "verify", "load"]
-
-
-class LoadCancelled(RolloutSystemError):
-    """The load's target is no longer wanted (a newer one, or none): not a failure."""
-
-    category = "cancelled"
 
 
 @dataclass(frozen=True)

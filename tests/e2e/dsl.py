@@ -36,11 +36,18 @@ from typing import Any, NoReturn
 import ray
 
 from app.contracts import BASIS_POINTS, RouterConfig
+from app.errors import WaitTimeout
 from app.ingress.routing import choose_cohort, request_key
 from app.packing import PackResult
-from app.polling import WaitTimeout, wait_until
+from app.polling import wait_until
 from rollout.actor import ensure_controller, get_controller
-from rollout.traffic import RequestRecord, TrafficRun, summarize, switches_per_user, write_records
+from rollout.local.traffic import (
+    RequestRecord,
+    TrafficRun,
+    summarize,
+    switches_per_user,
+    write_records,
+)
 from tests.e2e.harness import (
     FAST_PLAN,
     ROLLOUT_APP,

@@ -31,7 +31,7 @@ modules' rollouts in it. The controller
 ticks every 0.5 s (its default is 1 s): each tick reads Serve's config over REST and, during a
 rollout, scrapes the metrics endpoint; at 0.3 s its process took about a fifth of a core.
 
-Traffic is rollout.traffic.TrafficRun, the generator behind bench/loadgen.py and the demo:
+Traffic is rollout.local.traffic.TrafficRun, the generator behind bench/loadgen.py and the demo:
 ``client_load`` (closed loop, plain client: every non-2xx counted; the data-plane tests),
 ``steady_traffic`` (open loop at a fixed rate from 500 keyed users, plain client) and
 ``retrying_clients`` (closed loop through app/client.py's retrying client).
@@ -71,9 +71,9 @@ from rollout.actor import (
     ensure_controller,
     get_controller,
 )
-from rollout.local_cluster import LocalCluster
+from rollout.local.cluster import LocalCluster
+from rollout.local.traffic import RequestRecord, TrafficRun, TrafficSpec
 from rollout.serve_control import ServeControl
-from rollout.traffic import RequestRecord, TrafficRun, TrafficSpec
 
 # The session's data-plane application.
 APP = "ranker"

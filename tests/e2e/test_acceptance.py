@@ -2,7 +2,7 @@
 
 Each scenario drives the real controller on the ``rollout-e2e`` application
 (tests/e2e/harness.py) through tests/e2e/dsl.py's Given / When / Then, under open-loop
-traffic from ``rollout.traffic.TrafficRun`` (500 users keyed by user id, a plain client
+traffic from ``rollout.local.traffic.TrafficRun`` (500 users keyed by user id, a plain client
 without retries unless a scenario says otherwise), and asserts counts, never timings: failed
 requests, answers by generation, cohort shares against weights, switches per user, phases and
 reasons. Every scenario starts with stable on ranker-v41 and no rollout, and ends the same way.

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rollout.cluster import CONTROLLER_MISSING
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 HANG_GUARD_S = 90

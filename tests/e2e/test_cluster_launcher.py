@@ -8,7 +8,7 @@ process on the machine, and the autoscaler's bootstrap config, which `ray up` wr
 left out, and the test says so where it leaves it out. The commands get only isolation
 arguments on top (free ports, a temp dir, one CPU), so that this cluster shares nothing
 with others on the machine; it is stopped by the PIDs of its processes, found by its temp dir
-(rollout.multinode's way).
+(rollout.local.multinode's way).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from deployments.app import PROJECT_ROOT
-from rollout.local_cluster import free_port
-from rollout.multinode import stop_cluster_processes
+from rollout.local.cluster import free_port
+from rollout.local.multinode import stop_cluster_processes
 
 pytestmark = pytest.mark.cluster
 

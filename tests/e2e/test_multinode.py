@@ -1,6 +1,6 @@
 """Rollouts on a Ray cluster of three nodes: a head with no CPU (control plane and the HTTP
 proxy) and two worker nodes, each a raylet of its own with its own artifact cache, started
-by ``rollout.multinode`` on this machine. Driven as a user drives a cluster: Serve's HTTP
+by ``rollout.local.multinode`` on this machine. Driven as a user drives a cluster: Serve's HTTP
 ingress, the dashboard's REST API and the installed ``rollout`` binary (this test process
 never attaches to the cluster; it may be attached to the session cluster already).
 
@@ -29,9 +29,9 @@ import yaml
 from app.demo_artifacts import make_demo_artifacts
 from app.polling import wait_until
 from app.registry import open_registry
+from rollout.cli.exit_codes import exit_code_for_phase
 from rollout.cluster import CONTROLLER_NAME, CONTROLLER_NAMESPACE
-from rollout.exit_codes import exit_code_for_phase
-from rollout.multinode import MultiNodeCluster, multinode_cluster
+from rollout.local.multinode import MultiNodeCluster, multinode_cluster
 from tests.e2e.harness import (
     FAST_PLAN,
     QUICK_HEALTH_CHECKS,

@@ -15,8 +15,8 @@ import ray
 
 from app.polling import wait_until
 from rollout.actor import get_controller
-from rollout.exit_codes import EXIT_ROLLOUT_ABORTED
-from rollout.traffic import cohort_share
+from rollout.cli.exit_codes import EXIT_ROLLOUT_ABORTED
+from rollout.local.traffic import cohort_share
 from tests import artifacts
 from tests.e2e.harness import BASELINE, CANDIDATE, FAST_PLAN, RolloutEnv, failed, register
 

@@ -2,7 +2,7 @@
 are stopped before any user sees them; a legitimately different one goes on to live steps.
 
 Each scenario drives the real controller on the session's ``rollout-e2e`` application under
-open-loop traffic of the live load's shape (rollout.traffic: 20 candidates, top 10), the same
+open-loop traffic of the live load's shape (rollout.local.traffic: 20 candidates, top 10), the same
 shape ``ranker-v43``'s expected divergence was recorded with. The router
 mirrors half of stable's requests to the canary; the controller judges the comparisons from
 Ray's metrics. Asserted: counts (no failed request, no answer from the candidate, copies

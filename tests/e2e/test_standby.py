@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import telemetry as t
 from app.polling import wait_until
 from rollout.actor import router_handle, router_standby
-from rollout.traffic import RequestRecord, TrafficRun
+from rollout.local.traffic import RequestRecord, TrafficRun
 from tests.e2e.harness import (
     FALLBACK_ARTIFACT,
     STANDBY_APP,

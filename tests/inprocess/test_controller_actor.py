@@ -8,7 +8,7 @@ from pathlib import Path
 from app.contracts import ControllerSettings
 from app.polling import wait_until
 from rollout.actor import RolloutController
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 
 def test_a_failed_drift_repair_does_not_stop_the_ticks(tmp_path: Path) -> None:

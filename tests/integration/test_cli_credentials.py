@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 from tests.integration.manifests import ManifestRef
 from tests.integration.servable_manifests import write_servable_manifest
 

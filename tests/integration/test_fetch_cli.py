@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 ROLLOUT = str(Path(sys.executable).with_name("rollout"))
 PASSWORD = "hunter2-pass"

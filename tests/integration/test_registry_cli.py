@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from rollout.registry_cli import registry_group
+from rollout.cli.registry import registry_group
 from tests.integration.backends import Backend
 from tests.integration.manifests import MakeManifest, ManifestRef
 from tests.integration.servable_manifests import write_servable_manifest

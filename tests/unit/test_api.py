@@ -15,9 +15,9 @@ from app.api import (
     MAX_CANDIDATES,
     AnsweringModel,
     RankResponse,
-    RequestInvalid,
 )
 from app.contracts import ModelMeta, RouterConfig
+from app.errors import RequestInvalid
 from app.models.ranker_mlp.features import NUM_FEATURES, encode_context, parse_rank_body, to_wire
 
 

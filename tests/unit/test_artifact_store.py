@@ -29,7 +29,7 @@ from app.cache import ArtifactCache
 from app.contracts import FetchConfig
 from app.errors import ArtifactRejected, ConfigError, FetchFailed
 from app.manifest import MANIFEST_NAME, check_relative_path
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 from tests.file_artifacts import HeldFileServer, make_file_artifact, rewrite_manifest
 
 PASSWORD = "hunter2-pass"

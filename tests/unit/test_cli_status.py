@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.contracts import CommandAccepted, ControllerStatus
-from rollout.status_view import render_status
+from rollout.cli.render import render_status
 
 
 def view(**changes: Any) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def test_long_ids_keep_the_columns_aligned_and_escapes_are_shown_not_run() -> No
 
 
 def test_controller_settings_are_shown_with_their_credentials_masked(capsys: Any) -> None:
-    from rollout.cli import _show_ping
+    from rollout.cli.operate import _show_ping
 
     _show_ping(
         {

@@ -14,15 +14,9 @@ import httpx
 import pytest
 
 from app.api import RankResponse
-from app.client import (
-    AsyncRankerClient,
-    RankerClient,
-    RankerHTTPError,
-    RetriesExhausted,
-    RetryPolicy,
-    parse_retry_after,
-)
+from app.client import AsyncRankerClient, RankerClient, RetryPolicy, parse_retry_after
 from app.contracts import ModelMeta
+from app.errors import RankerHTTPError, RetriesExhausted
 
 OK_BODY = {"ranking": [{"id": "a", "score": 0.9}], "model": {"artifact_id": "ranker-v41"}}
 

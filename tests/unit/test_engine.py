@@ -20,7 +20,7 @@ from rollout.machine import Abort
 from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
 from rollout.serve_port import HttpServePort
-from rollout.status_view import wire
+from rollout.views import wire
 from tests.unit.engine_world import PLAN, V41, V42, World, seeded_registry
 from tests.unit.fakes import (
     FakeDashboard,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 
 
 def test_a_process_is_never_given_the_same_port_twice() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.errors import ConsistencyError
-from app.generations import Generation, GenerationHolder, NotReady
+from app.errors import ConsistencyError, NotReady
+from app.generations import Generation, GenerationHolder
 
 TIMEOUT = 10.0
 

@@ -8,6 +8,10 @@
   their own, in a fresh interpreter.
 - The ingress core (app/ingress) imports no HTTP framework either: the router's Serve shell
   turns Starlette requests into the core's arguments and its answers into responses.
+- rollout/cli (the command line) is the top: nothing else of the product imports it.
+  rollout/local (the one-machine harness) is for the demo, the tests and the benchmarks:
+  nothing else of the product imports it, and it does not import the CLI.
+- rollout/ has no import cycle, lazy imports included.
 """
 
 from __future__ import annotations
@@ -200,3 +204,173 @@ def test_the_cli_and_the_registry_start_without_heavy_imports() -> None:
     loaded = set(loaded_after_import("rollout.cli", "app.registry.sqlite"))
     bad = loaded & set(CLI_MUST_NOT_LOAD)
     assert not bad, f"importing rollout.cli and the registry loads {sorted(bad)}"
+
+
+# ------------------------------------------------------------- the CLI and the local harness
+# rollout/cli is the outermost layer: the operator's command line. Nothing of the product
+# (app/, deployments/, the rest of rollout/) imports it, so the engine, the controller actor
+# and the Serve shells never load click or the commands. rollout/local is the one-machine
+# harness (the demo, local clusters, the load generator): the CLI's demo command uses it, the
+# tests and benchmarks do; nothing that runs in a production cluster does, and it does not
+# reach back into the CLI. The old module paths kept for one release (one-line re-export
+# shims) are the only exceptions: they exist to point at the new homes.
+PRODUCT = (ROOT / "app", ROOT / "deployments", ROOT / "rollout")
+CLI = ROOT / "rollout" / "cli"
+LOCAL = ROOT / "rollout" / "local"
+SHIMS = {
+    ROOT / "rollout" / f"{name}.py": target
+    for name, target in {
+        "cli_options": "rollout.cli.options",
+        "demo": "rollout.local.demo",
+        "exit_codes": "rollout.cli.exit_codes",
+        "local_cluster": "rollout.local.cluster",
+        "local_stack": "rollout.local.stack",
+        "multinode": "rollout.local.multinode",
+        "progress_bar": "rollout.cli.progress",
+        "registry_cli": "rollout.cli.registry",
+        "status_view": "rollout.cli.render",  # and rollout.views
+        "traffic": "rollout.local.traffic",
+    }.items()
+}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Dotted names a module's source imports, at any depth of the code; ``from a import b``
+    counts as ``a`` and ``a.b`` (``b`` may be a module)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def imports_of_package(source: str, package: str) -> set[str]:
+    return {m for m in imported_modules(source) if m == package or m.startswith(package + ".")}
+
+
+def product_files(*outside: Path) -> list[Path]:
+    """The product's source files, less those under ``outside`` and the shims."""
+    return [
+        path
+        for top in PRODUCT
+        for path in sorted(top.rglob("*.py"))
+        if path not in SHIMS and not any(path.is_relative_to(o) for o in outside)
+    ]
+
+
+def test_the_module_scan_sees_packages_imported_from() -> None:
+    source = "from rollout import cli\n\ndef f():\n    import rollout.local.demo\n"
+    assert imports_of_package(source, "rollout.cli") == {"rollout.cli"}
+    assert imports_of_package(source, "rollout.local") == {"rollout.local.demo"}
+    assert not imports_of_package("import rollout.client\n", "rollout.cli")
+
+
+def test_the_layer_walks_find_the_packages_and_the_shims() -> None:
+    assert {p.name for p in CLI.glob("*.py")} >= {"main.py", "artifacts.py", "operate.py"}
+    assert {p.name for p in LOCAL.glob("*.py")} >= {"demo.py", "stack.py", "traffic.py"}
+    assert all(path.is_file() for path in SHIMS), sorted(p for p in SHIMS if not p.is_file())
+
+
+@pytest.mark.parametrize("path", product_files(CLI), ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_outside_the_cli_imports_it(path: Path) -> None:
+    bad = imports_of_package(path.read_text(), "rollout.cli")
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: rollout/cli is the top"
+
+
+@pytest.mark.parametrize("path", product_files(CLI, LOCAL), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_product_does_not_import_the_local_harness(path: Path) -> None:
+    bad = imports_of_package(path.read_text(), "rollout.local")
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports {sorted(bad)}: rollout/local is the one-machine "
+        "harness, for the demo, the tests and the benchmarks"
+    )
+
+
+@pytest.mark.parametrize(
+    "path", sorted(LOCAL.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_the_local_harness_does_not_import_the_cli(path: Path) -> None:
+    bad = imports_of_package(path.read_text(), "rollout.cli")
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", sorted(SHIMS), ids=lambda p: str(p.relative_to(ROOT)))
+def test_an_old_path_is_only_a_shim_of_its_new_home(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    docstring = ast.get_docstring(tree) or ""
+    assert docstring.startswith("Moved"), docstring
+    assert SHIMS[path] in docstring, docstring
+    for node in tree.body[1:]:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        # status_view.py points at both halves of what it was.
+        assert node.module in (SHIMS[path], "rollout.views"), ast.unparse(node)
+
+
+# ------------------------------------------------------------------------------ import cycles
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(paths: list[Path], root: Path = ROOT) -> list[list[str]]:
+    """The import cycles among ``paths`` (strongly connected components of more than one
+    module), lazy imports inside functions included. ``from a import b`` is an edge to the
+    module ``a.b`` when there is one, else to ``a``; a package's ``__init__`` run on the way
+    to a submodule is no edge (it is how Python finds the submodule, not a name it reads)."""
+    modules = {module_name(p, root): p for p in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    edges.add(sub if sub in modules else node.module)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    # Tarjan's strongly connected components.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component: list[str] = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_cycle_scan_finds_a_cycle_through_a_lazy_import(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    assert import_cycles(sorted(tmp_path.glob("*.py")), tmp_path) == [["a", "b"]]
+
+
+def test_rollout_has_no_import_cycle() -> None:
+    # One was rollout/cluster.py <-> rollout/exit_codes.py (the watchdog's exit code one way,
+    # ClusterUnreachable the other): the errors now live in app/errors.py.
+    assert import_cycles(sorted((ROOT / "rollout").rglob("*.py"))) == []

@@ -12,12 +12,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
+from app.errors import MetricsUnavailable
 from rollout.metrics import (
     LATENCY_SERIES,
     REQUESTS_SERIES,
     SCRAPED_SERIES,
     MetricsSnapshot,
-    MetricsUnavailable,
     PromQLSource,
     RayScrapeSource,
     SnapshotWindows,

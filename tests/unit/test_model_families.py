@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.api import RequestInvalid
 from app.compatibility import check_compatibility
 from app.contracts import DEFAULT_FEATURE_SCHEMA, AppArgs, ReplicaConfig
-from app.errors import ArtifactRejected, ConfigError
+from app.errors import ArtifactRejected, ConfigError, RequestInvalid
 from app.loading.candidate import load_verified
 from app.manifest import Architecture
 from app.model_family import (

@@ -25,7 +25,7 @@ from app.replay import (
     wire_request,
 )
 from app.request_bodies import rank_bodies
-from rollout.traffic import TrafficSpec, _request_bodies
+from rollout.local.traffic import TrafficSpec, _request_bodies
 
 SHA = "ab" * 32
 
@@ -65,7 +65,7 @@ def body(n: int = 4, top_n: int = 3, **extra) -> dict:
 
 
 def test_the_live_loads_bodies_are_the_generators() -> None:
-    """rollout.traffic sends rank_bodies (with a user id spliced in), so the first bodies of
+    """rollout.local.traffic sends rank_bodies (with a user id spliced in), so the first bodies of
     a larger generated replay are exactly the live load's, for any seed and shape."""
     for spec in (TrafficSpec(), TrafficSpec(seed=3, candidates=8, top_n=5)):
         live = _request_bodies(spec, count=5)

@@ -20,12 +20,12 @@ import pytest
 from app.cache import NODE_CACHE_DIR_ENV
 from app.contracts import FaultInjection, WireRequest
 from app.demo_artifacts import make_demo_artifacts
-from app.errors import ConfigError
+from app.errors import ConfigError, ReplicaNotReady
 from app.faults import FAULT_INJECTION_ENV, NO_FAULT
 from app.models.ranker_mlp.features import NUM_FEATURES
 from app.packing import PackResult
 from app.polling import wait_until
-from app.replica import RankerReplica, ReplicaNotReady
+from app.replica import RankerReplica
 from tests.artifacts import pack_ranker
 
 TIMEOUT = 30.0

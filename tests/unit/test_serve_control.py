@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 from rollout.serve_control import ServeControl, ServeControlError, ServeUnreachable
 from tests.dashboard_stub import answering_dashboard
 from tests.unit.fakes import FakeDashboard

@@ -9,7 +9,7 @@ import pytest
 
 from app.contracts import ReplicaConfig, RouterConfig, Target
 from app.errors import ConfigError
-from rollout.local_cluster import free_port
+from rollout.local.cluster import free_port
 from rollout.serve_control import ServeControl, ServeControlError, ServeUnreachable
 from rollout.serve_port import (
     CANARY_REPLICAS,

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from app.client import RetryPolicy
-from rollout.traffic import (
+from rollout.local.traffic import (
     RequestRecord,
     TrafficRun,
     TrafficSpec,

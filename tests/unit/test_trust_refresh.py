@@ -24,7 +24,7 @@ from app.packing import PackResult
 from app.polling import wait_until
 from app.replica import RankerReplica
 from app.signing import generate_keypair, sign_manifest
-from rollout.status_view import trust_disagreement
+from rollout.cli.render import trust_disagreement
 from tests.artifacts import pack_ranker
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from app.cache import ArtifactCache, CacheLimits
-from app.errors import ArtifactRejected
-from app.loading.control import LoadCancelled, LoadControl
+from app.errors import ArtifactRejected, LoadCancelled
+from app.loading.control import LoadControl
 from app.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from app.polling import wait_until
 from app.signing import generate_keypair

@@ -28,10 +28,10 @@ import torch
 from app.cache import CHUNK_BYTES, ArtifactCache
 from app.compatibility import WEIGHTS_FILES
 from app.contracts import MemoryConfig
-from app.errors import ArtifactRejected
+from app.errors import ArtifactRejected, LoadCancelled
 from app.generations import GenerationHolder
 from app.loading.candidate import load_verified
-from app.loading.control import LoadCancelled, LoadControl, LoadStage
+from app.loading.control import LoadControl, LoadStage
 from app.loading.formats import SafetensorsAssembler
 from app.loading.memory import MemoryBudget
 from app.loading.pipeline import ModelLoader
