@@ -5,6 +5,9 @@
   (checked in a fresh interpreter, so a transitive import counts too).
 - The pure modules (manifest, generations, contracts, plan, state, machine, analysis) load no
   Ray, no torch and no database driver when imported on their own, in a fresh interpreter.
+- The contracts (app/contracts/, one module per boundary) import nothing of app/ but each other
+  and app.errors: the model families, the loader and the rest depend on them, never the
+  reverse (the default families are contract vocabulary, re-exported by app.model_family).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ PURE_MODULES = (
     "app.manifest",
     "app.generations",
     "app.contracts",
+    # Each boundary's contracts on their own: a process that needs one pays for no other's.
+    "app.contracts.vocabulary",
+    "app.contracts.targets",
+    "app.contracts.replica_config",
+    "app.contracts.router_config",
+    "app.contracts.app_args",
+    "app.contracts.reports",
+    "app.contracts.wire",
+    "app.contracts.views",
     "app.safe_text",
     "app.routing",
     "app.standby",
@@ -106,6 +118,42 @@ def test_importing_the_whole_core_loads_no_ray() -> None:
 def test_pure_module_loads_no_ray_torch_or_database(module: str) -> None:
     bad = set(loaded_after_import(module)) & set(PURE_MUST_NOT_LOAD)
     assert not bad, f"importing {module} loads {sorted(bad)}"
+
+
+CONTRACTS = CORE / "contracts"
+CONTRACTS_MAY_IMPORT = ("app.contracts", "app.errors")
+
+
+def imported_modules(source: str) -> set[str]:
+    """Absolute module names a module's source imports, at any depth of the code."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize(
+    "path", sorted(CONTRACTS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_the_contracts_import_no_other_part_of_the_core(path: Path) -> None:
+    inside = {m for m in imported_modules(path.read_text()) if m.split(".")[0] == "app"}
+    bad = {m for m in inside if not m.startswith(CONTRACTS_MAY_IMPORT)}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: app/ depends on the contracts"
+
+
+def test_importing_the_contracts_loads_no_model_family() -> None:
+    code = (
+        "import sys, app.contracts\n"
+        "print(sorted(n for n in sys.modules if n.startswith('app.') and "
+        "not n.startswith(('app.contracts', 'app.errors'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 # ---------------------------------------------------------------------------- the test tiers
