@@ -52,6 +52,7 @@ PURE_MODULES = (
     "app.models.two_tower.features",
     "rollout.plan",
     "rollout.state",
+    "rollout.persisted",
     "rollout.machine",
     "rollout.analysis",
     "rollout.sequential",
