@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-)
+from pydantic import Field
 
 from app.contracts.replica_config import (
     BatchingConfig,

@@ -7,12 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Self
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    StringConstraints,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from app.contracts.targets import Target
 from app.contracts.vocabulary import (

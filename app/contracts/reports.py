@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    StringConstraints,
-)
+from pydantic import Field, StringConstraints
 
 from app.contracts.replica_config import FaultInjection
 from app.contracts.vocabulary import (

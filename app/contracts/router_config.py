@@ -7,10 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    StringConstraints,
-)
+from pydantic import Field, StringConstraints
 
 from app.contracts.vocabulary import (
     MAX_BYTES,

@@ -6,10 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
-from pydantic import (
-    Field,
-    StringConstraints,
-)
+from pydantic import Field, StringConstraints
 
 from app.contracts.vocabulary import (
     DEFAULT_FEATURE_SCHEMA,

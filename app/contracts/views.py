@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    StringConstraints,
-)
+from pydantic import Field, StringConstraints
 
 from app.contracts.app_args import ControllerSettings
 from app.contracts.reports import LoadProgress
