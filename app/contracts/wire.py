@@ -45,3 +45,10 @@ class WireAnswer(NamedTuple):
 
     model: ModelMeta
     rankings: list[list[tuple[str, float, str]]]  # per request: (id, score, label)
+
+
+# These are pickled on every handle call between the router and the replicas, which run
+# different releases while an upgrade rolls through the cluster: pickled by the name every
+# release resolves (``app.contracts.X``; the package re-exports them), not by this module's.
+for _pickled in (WireRequest, ModelMeta, WireAnswer):
+    _pickled.__module__ = "app.contracts"
