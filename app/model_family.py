@@ -23,7 +23,8 @@ candidates, the answer is the top ``top_n`` of them by score with the artifact's
 bands (``app.preprocessing.LabelMapping``), so routing, mirroring and the divergence
 metrics work for any family unchanged.
 
-Pure module: no torch, no Ray (torch types appear only in annotations).
+Pure module: no torch, no Ray (torch types appear only in annotations). It depends on
+``app.contracts`` (the wire types, the default families) and the contracts never on it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
+# The default families are contract vocabulary (the defaults of AppArgs and ReplicaConfig name
+# them): re-exported from there, so this module depends on the contracts and never the reverse.
+from app.contracts.vocabulary import DEFAULT_FAMILIES as DEFAULT_FAMILIES
 from app.errors import ArtifactRejected, ConfigError
 
 if TYPE_CHECKING:
@@ -43,8 +47,6 @@ if TYPE_CHECKING:
     from app.contracts import WireRequest
     from app.manifest import Architecture
 
-# The families an application registers when its args name none.
-DEFAULT_FAMILIES: Final[tuple[str, ...]] = ("app.models.ranker_mlp",)
 # Every family that ships with the service: what offline tools (``rollout verify --load``,
 # ``rollout replay``) know without being told.
 SHIPPED_FAMILIES: Final[tuple[str, ...]] = ("app.models.ranker_mlp", "app.models.two_tower")

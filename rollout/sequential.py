@@ -51,7 +51,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Annotated, Any, ClassVar, Final
+
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_serializer,
+    model_validator,
+)
 
 from rollout.analysis import (
     ERROR_RATE_VS_STABLE,
@@ -66,6 +75,7 @@ from rollout.analysis import (
     WindowStats,
     quantile_from_buckets,
 )
+from rollout.persisted import stored_copy
 from rollout.plan import AnalysisChecks, RolloutPlan
 
 SAMPLE_RATIO: Final = "sample_ratio"
@@ -110,6 +120,23 @@ def _mixture_log_factors(successes: int, trials: int, p0: float, odds: Sequence[
     return out
 
 
+def _ruled_out_from_null(value: Any) -> Any:
+    return -math.inf if value is None else value
+
+
+def _ruled_out_as_null(value: float) -> float | None:
+    return None if value == -math.inf else value
+
+
+# An alternative's running log likelihood ratio. -inf (an alternative ruled out for good) is
+# not JSON: stored as null, read back as -inf.
+LogWealth = Annotated[
+    float,
+    BeforeValidator(_ruled_out_from_null),
+    PlainSerializer(_ruled_out_as_null, when_used="json"),
+]
+
+
 @dataclass
 class RateEvidence:
     """One mixture e-process for a Bernoulli rate: ``above`` tests the null "rate <= bound"
@@ -118,8 +145,31 @@ class RateEvidence:
     alternatives (``AGAINST_ODDS`` / ``FOR_ODDS``) for a test whose effects are finer."""
 
     above: bool
-    log_wealth: list[float] = field(default_factory=list)
+    log_wealth: list[LogWealth] = field(default_factory=list)
     grid: tuple[float, ...] | None = None
+
+    # The rollout's state stores the grid with the wealth it indexes, so that a later change
+    # of the default alternatives cannot pair a resumed rollout's wealth with other ones.
+    @field_serializer("grid")
+    def _stored_grid(self, grid: tuple[float, ...] | None) -> list[float]:
+        return list(self.odds)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grid_of_unrecorded_wealth(cls, data: Any) -> Any:
+        # Wealth saved before each process recorded its grid was computed over these.
+        if isinstance(data, Mapping) and data.get("grid") is None:
+            return {**data, "grid": _UNRECORDED_ODDS[bool(data.get("above"))]}
+        return data
+
+    @model_validator(mode="after")
+    def _wealth_fits_grid(self) -> RateEvidence:
+        if self.log_wealth and len(self.log_wealth) != len(self.odds):
+            raise ValueError(
+                f"evidence holds {len(self.log_wealth)} alternatives' wealth for a grid of "
+                f"{len(self.odds)}"
+            )
+        return self
 
     @property
     def odds(self) -> tuple[float, ...]:
@@ -154,28 +204,6 @@ class RateEvidence:
         """A process of the same test and alternatives that has seen nothing yet."""
         return RateEvidence(above=self.above, grid=self.odds)
 
-    def to_dict(self) -> dict[str, Any]:
-        # -inf (an alternative ruled out for good) is not JSON: stored as null. The grid is
-        # stored with the wealth it indexes, so a later change of the default alternatives
-        # cannot pair a resumed rollout's wealth with other alternatives.
-        return {
-            "above": self.above,
-            "log_wealth": [None if w == -math.inf else w for w in self.log_wealth],
-            "grid": list(self.odds),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RateEvidence:
-        above = bool(data["above"])
-        wealth = [-math.inf if w is None else float(w) for w in data.get("log_wealth", [])]
-        recorded = data.get("grid")
-        grid = _UNRECORDED_ODDS[above] if recorded is None else tuple(float(g) for g in recorded)
-        if wealth and len(wealth) != len(grid):
-            raise ValueError(
-                f"evidence holds {len(wealth)} alternatives' wealth for a grid of {len(grid)}"
-            )
-        return cls(above=above, log_wealth=wealth, grid=grid)
-
 
 @dataclass
 class CheckEvidence:
@@ -187,10 +215,14 @@ class CheckEvidence:
     at step ``step`` (an index >= 1; 0: no later step reached yet), and ``ended_in_steps``
     the sum, per part, of the earlier later steps' processes at their end. ``later_steps`` is
     how many steps after the first the plan has (0: no restarts, as a state saved before
-    they existed)."""
+    they existed). The state stores ``supporting`` as ``for``."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(serialize_by_alias=True)
 
     against: list[RateEvidence] = field(default_factory=lambda: [RateEvidence(above=True)])
-    supporting: list[RateEvidence] = field(default_factory=lambda: [RateEvidence(above=False)])
+    supporting: Annotated[list[RateEvidence], Field(alias="for")] = field(
+        default_factory=lambda: [RateEvidence(above=False)]
+    )
     # Counts the evidence is about, over the whole rollout: shown with the verdicts.
     counts: dict[str, float] = field(default_factory=dict)
     later_steps: int = 0
@@ -244,32 +276,11 @@ class CheckEvidence:
     def add(self, name: str, value: float) -> None:
         self.counts[name] = self.counts.get(name, 0.0) + value
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "against": [p.to_dict() for p in self.against],
-            "for": [p.to_dict() for p in self.supporting],
-            "counts": dict(self.counts),
-            "later_steps": self.later_steps,
-            "step": self.step,
-            "against_in_step": [p.to_dict() for p in self.against_in_step],
-            "ended_in_steps": list(self.ended_in_steps),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CheckEvidence:
-        evidence = cls(
-            against=[RateEvidence.from_dict(p) for p in data["against"]],
-            supporting=[RateEvidence.from_dict(p) for p in data["for"]],
-            counts={k: float(v) for k, v in data.get("counts", {}).items()},
-            later_steps=int(data.get("later_steps", 0)),
-            step=int(data.get("step", 0)),
-            against_in_step=[RateEvidence.from_dict(p) for p in data.get("against_in_step", [])],
-            ended_in_steps=[float(v) for v in data.get("ended_in_steps", [])],
-        )
-        parts = len(evidence.against)
-        if evidence.step >= 1 and len(evidence.against_in_step) != parts:
-            raise ValueError(f"step {evidence.step} evidence is not one process per part")
-        return evidence
+    @model_validator(mode="after")
+    def _one_step_process_per_part(self) -> CheckEvidence:
+        if self.step >= 1 and len(self.against_in_step) != len(self.against):
+            raise ValueError(f"step {self.step} evidence is not one process per part")
+        return self
 
 
 def _check_evidence(paired: bool, later_steps: int, step: int) -> CheckEvidence:
@@ -313,33 +324,8 @@ class SequentialEvidence:
     def e_mismatch(self) -> float:
         return (self.share_low.e_value + self.share_high.e_value) / 2
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checks": {name: c.to_dict() for name, c in self.checks.items()},
-            "share_low": self.share_low.to_dict(),
-            "share_high": self.share_high.to_dict(),
-            "share_counts": dict(self.share_counts),
-            "mismatch_alerted": self.mismatch_alerted,
-            "windows": self.windows,
-            "later_steps": self.later_steps,
-            "step": self.step,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SequentialEvidence:
-        return cls(
-            checks={name: CheckEvidence.from_dict(c) for name, c in data["checks"].items()},
-            share_low=RateEvidence.from_dict(data["share_low"]),
-            share_high=RateEvidence.from_dict(data["share_high"]),
-            share_counts={k: float(v) for k, v in data.get("share_counts", {}).items()},
-            mismatch_alerted=bool(data.get("mismatch_alerted", False)),
-            windows=int(data.get("windows", 0)),
-            later_steps=int(data.get("later_steps", 0)),
-            step=int(data.get("step", 0)),
-        )
-
     def copy(self) -> SequentialEvidence:
-        return SequentialEvidence.from_dict(self.to_dict())
+        return stored_copy(self)
 
 
 # --------------------------------------------------------------------------- histograms

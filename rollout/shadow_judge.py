@@ -38,12 +38,12 @@ and at least ``min_compared`` copies were compared; otherwise INCONCLUSIVE (hold
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from app.contracts import ExpectedDivergence
 from rollout.analysis import CheckResult, Outcome, ShadowStats, Verdict
+from rollout.persisted import stored_copy
 from rollout.plan import RolloutPlan, ShadowPlan
 from rollout.sequential import RateEvidence
 
@@ -99,32 +99,13 @@ class BoundEvidence:
         at_least = (self.side == "upper") == (self.measure == SHADOW_RBO)
         return f"{_SHOWN[self.measure]} {'>=' if at_least else '<='} {shown:.3f}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "measure": self.measure,
-            "side": self.side,
-            "bound": self.bound,
-            "against": self.against.to_dict(),
-            "supporting": self.supporting.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BoundEvidence:
-        return cls(
-            measure=str(data["measure"]),
-            side=data["side"],
-            bound=float(data["bound"]),
-            against=RateEvidence.from_dict(data["against"]),
-            supporting=RateEvidence.from_dict(data["supporting"]),
-        )
-
 
 @dataclass
 class ShadowEvidence:
     """Everything the shadow phase has seen, as kept in the rollout's state."""
 
     bounds: list[BoundEvidence]
-    basis: str  # what the bounds come from, in words
+    basis: str = ""  # what the bounds come from, in words
     expected: dict[str, Any] | None = None  # the ExpectedDivergence the bounds come from
     compared: int = 0
     dropped: int = 0
@@ -147,39 +128,8 @@ class ShadowEvidence:
     def top1_change_rate(self) -> float | None:
         return self.top1_changed / self.compared if self.compared else None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "bounds": [b.to_dict() for b in self.bounds],
-            "basis": self.basis,
-            "expected": self.expected,
-            "compared": self.compared,
-            "dropped": self.dropped,
-            "errors": self.errors,
-            "rbo_sum": self.rbo_sum,
-            "overlap_sum": self.overlap_sum,
-            "top1_changed": self.top1_changed,
-            "max_score_diff_p99": self.max_score_diff_p99,
-            "windows": self.windows,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ShadowEvidence:
-        return cls(
-            bounds=[BoundEvidence.from_dict(b) for b in data["bounds"]],
-            basis=str(data.get("basis", "")),
-            expected=data.get("expected"),
-            compared=int(data.get("compared", 0)),
-            dropped=int(data.get("dropped", 0)),
-            errors=int(data.get("errors", 0)),
-            rbo_sum=float(data.get("rbo_sum", 0.0)),
-            overlap_sum=float(data.get("overlap_sum", 0.0)),
-            top1_changed=float(data.get("top1_changed", 0.0)),
-            max_score_diff_p99=data.get("max_score_diff_p99"),
-            windows=int(data.get("windows", 0)),
-        )
-
     def copy(self) -> ShadowEvidence:
-        return ShadowEvidence.from_dict(self.to_dict())
+        return stored_copy(self)
 
 
 def expectation_applies(

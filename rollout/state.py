@@ -4,16 +4,26 @@ Pure module. ``RolloutState`` is a plain dataclass that carries its own plan (as
 Canary keeps its spec), round-trips through JSON (``to_dict`` / ``from_dict``) so the
 controller can persist it in the registry after every step and resume from it, and is only
 ever changed by ``rollout.machine.advance``.
+
+The state and the dataclasses it holds (the judges' evidence included) are written and read
+by one pydantic ``TypeAdapter`` of ``RolloutState`` (``rollout.persisted``); what the JSON
+cannot say as it stands (the schema version, a ruled-out alternative's -inf, ``for`` as a
+key) is declared beside the field it concerns. A state of an older schema version is upgraded
+to the current shape before it is validated (``RolloutState._upgraded``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from typing import Any, ClassVar, Final
+
+from pydantic import ConfigDict, computed_field, model_validator
 
 from app.contracts import BASIS_POINTS
 from app.contracts import RolloutPhase as Phase
 from rollout.analysis import Outcome
+from rollout.persisted import read, written
 from rollout.plan import RolloutPlan
 from rollout.sequential import SequentialEvidence
 from rollout.shadow_judge import ShadowEvidence
@@ -31,6 +41,8 @@ VERDICT_HISTORY: Final = 20  # verdicts kept in the state; the audit log keeps t
 @dataclass(frozen=True)
 class Weights:
     """The router's split in basis points (10000 = 100%)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
 
     stable_bp: int
     canary_bp: int
@@ -78,6 +90,8 @@ class EvidenceRecord:
     """One check's e-values after a window (sequential judge): against the canary and for it,
     with the bounds they are held to: ``fail_at`` rolls back, ``pass_at`` passes, ``hold_at``
     holds (the sample-ratio guard, which neither fails nor passes a canary)."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
 
     check: str
     against: float
@@ -135,6 +149,9 @@ class RolloutState:
       re-applied old config: the canary pool may be reloading), to be set again once every
       canary replica reports the candidate ready (None: nothing withdrawn).
     """
+
+    # A stored state with a field this code does not know is refused, not half read.
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
 
     plan: RolloutPlan
     rollout_id: str
@@ -209,27 +226,32 @@ class RolloutState:
         return self.plan.steps[self.step_index] if self.step_index >= 0 else None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["schema_version"] = STATE_SCHEMA_VERSION
-        data["plan"] = self.plan.model_dump(mode="json")
-        data["phase"] = self.phase.value
-        data["verdicts"] = [
-            {
-                **asdict(v),
-                "outcome": v.outcome.value,
-                "reasons": list(v.reasons),
-                "evidence": [e.to_dict() for e in v.evidence],
-            }
-            for v in self.verdicts
-        ]
-        data["evidence"] = self.evidence.to_dict() if self.evidence is not None else None
-        data["shadow_evidence"] = (
-            self.shadow_evidence.to_dict() if self.shadow_evidence is not None else None
-        )
-        return data
+        """The state as the registry stores it: JSON-ready, with its schema version."""
+        return written(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RolloutState:
+    def from_dict(cls, data: Mapping[str, Any]) -> RolloutState:
+        """A stored state of any readable schema version; ValueError (a pydantic
+        ValidationError) naming what does not read."""
+        return read(cls, data)
+
+    # Written with the state; a stored state's is read by ``_upgraded``. (A computed field,
+    # not a serializer wrapping the dump: that would dump the dump again untyped, and an
+    # untyped float inf turns null where the typed dump hands it to the JSON writer as is.)
+    @computed_field
+    @property
+    def schema_version(self) -> int:
+        """The schema version this code writes a state in."""
+        return STATE_SCHEMA_VERSION
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgraded(cls, data: Any) -> Any:
+        """A stored state of any readable version, in the current version's shape: the fields
+        a version added are left out of an older state and take their defaults (version 1:
+        no sequential evidence; version 2: no shadow phase), but for the plan's judge."""
+        if not isinstance(data, Mapping):
+            return data
         data = dict(data)
         version = data.pop("schema_version", None)
         if version not in READABLE_SCHEMA_VERSIONS:
@@ -237,26 +259,10 @@ class RolloutState:
                 f"rollout state schema_version {version!r} is not one of "
                 f"{list(READABLE_SCHEMA_VERSIONS)}"
             )
-        plan = dict(data["plan"])
-        if version == 1:
+        if version == 1 and isinstance(data.get("plan"), Mapping):
             # Started before there was a choice of judge: it carries on with the one it had.
-            plan.setdefault("judge", "threshold")
-        data["plan"] = RolloutPlan.model_validate(plan)
-        data["phase"] = Phase(data["phase"])
-        data["weights"] = Weights(**data["weights"])
-        data["verdicts"] = [
-            VerdictRecord(
-                window_end=v["window_end"],
-                step_index=v["step_index"],
-                canary_bp=v["canary_bp"],
-                outcome=Outcome(v["outcome"]),
-                reasons=tuple(v["reasons"]),
-                evidence=tuple(EvidenceRecord(**e) for e in v.get("evidence", ())),
-            )
-            for v in data["verdicts"]
-        ]
-        evidence = data.pop("evidence", None)
-        data["evidence"] = SequentialEvidence.from_dict(evidence) if evidence else None
-        shadow = data.pop("shadow_evidence", None)
-        data["shadow_evidence"] = ShadowEvidence.from_dict(shadow) if shadow else None
-        return cls(**data)
+            data["plan"] = {"judge": "threshold", **data["plan"]}
+        for evidence in ("evidence", "shadow_evidence"):
+            # None, or stored empty: nothing judged yet.
+            data[evidence] = data.get(evidence) or None
+        return data

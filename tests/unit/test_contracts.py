@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
@@ -214,3 +216,16 @@ def test_the_controller_status_counts_refused_reports() -> None:
     assert ControllerStatus(reports_refused=3).reports_refused == 3
     with pytest.raises(ValidationError):
         ControllerStatus(reports_refused=-1)
+
+
+def test_the_data_path_types_pickle_by_the_name_every_release_resolves() -> None:
+    # Router and replicas of two releases exchange them while an upgrade rolls through: a
+    # pickle must name app.contracts, where every release finds them, not the module that
+    # defines them now.
+    request = contracts.WireRequest(("a",), np.zeros((1, 2), np.float32), {}, 1)
+    meta = contracts.ModelMeta("ranker-v42", 3, "stable", "build", "r1")
+    answer = contracts.WireAnswer(meta, [[("a", 0.5, "high")]])
+    for value in (request, meta, answer):
+        data = pickle.dumps(value)
+        assert b"app.contracts.wire" not in data and b"app.contracts" in data
+        assert type(pickle.loads(data)) is type(value)

@@ -12,6 +12,9 @@
   rollout/local (the one-machine harness) is for the demo, the tests and the benchmarks:
   nothing else of the product imports it, and it does not import the CLI.
 - rollout/ has no import cycle, lazy imports included.
+- The contracts (app/contracts/, one module per boundary) import nothing of app/ but each other
+  and app.errors: the model families, the loader and the rest depend on them, never the
+  reverse (the default families are contract vocabulary, re-exported by app.model_family).
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ PURE_MODULES = (
     "app.manifest",
     "app.generations",
     "app.contracts",
+    # Each boundary's contracts on their own: a process that needs one pays for no other's.
+    "app.contracts.vocabulary",
+    "app.contracts.targets",
+    "app.contracts.replica_config",
+    "app.contracts.router_config",
+    "app.contracts.app_args",
+    "app.contracts.reports",
+    "app.contracts.wire",
+    "app.contracts.views",
     "app.safe_text",
     "app.divergence",
     # The ingress core: the router's decisions, without Ray, Starlette or torch.
@@ -61,6 +73,7 @@ PURE_MODULES = (
     "app.models.two_tower.features",
     "rollout.plan",
     "rollout.state",
+    "rollout.persisted",
     "rollout.machine",
     "rollout.judging",
     "rollout.analysis",
@@ -148,6 +161,42 @@ def test_importing_the_ingress_core_loads_no_ray_http_framework_torch_or_databas
     assert "app.ingress.core" in modules, modules
     bad = set(loaded_after_import(*modules)) & set(INGRESS_MUST_NOT_LOAD)
     assert not bad, f"importing app.ingress loads {sorted(bad)}"
+
+
+CONTRACTS = CORE / "contracts"
+CONTRACTS_MAY_IMPORT = ("app.contracts", "app.errors")
+
+
+def imported_module_names(source: str) -> set[str]:
+    """Absolute module names a module's source imports, at any depth of the code."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize(
+    "path", sorted(CONTRACTS.glob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_the_contracts_import_no_other_part_of_the_core(path: Path) -> None:
+    inside = {m for m in imported_module_names(path.read_text()) if m.split(".")[0] == "app"}
+    bad = {m for m in inside if not m.startswith(CONTRACTS_MAY_IMPORT)}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: app/ depends on the contracts"
+
+
+def test_importing_the_contracts_loads_no_model_family() -> None:
+    code = (
+        "import sys, app.contracts\n"
+        "print(sorted(n for n in sys.modules if n.startswith('app.') and "
+        "not n.startswith(('app.contracts', 'app.errors'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 # ---------------------------------------------------------------------------- the test tiers

@@ -27,6 +27,7 @@ from rollout.analysis import (
     quantile_from_buckets,
 )
 from rollout.machine import Alert, Observations, PoolView, ReplicaObservation, advance
+from rollout.persisted import read, written
 from rollout.plan import RolloutPlan, plan_from_mapping
 from rollout.sequential import (
     SAMPLE_RATIO,
@@ -128,28 +129,28 @@ def test_evidence_survives_a_json_round_trip_including_ruled_out_alternatives():
     evidence = SequentialEvidence()
     check = evidence.check(ERROR_RATE_VS_STABLE)
     check.supporting[1].update(2, 100, 0.01)  # the "no error ever" alternative is ruled out
-    assert None in check.supporting[1].to_dict()["log_wealth"]
-    again = SequentialEvidence.from_dict(evidence.to_dict())
-    assert again.to_dict() == evidence.to_dict()
+    assert None in written(check.supporting[1])["log_wealth"]
+    again = read(SequentialEvidence, written(evidence))
+    assert written(again) == written(evidence)
     assert again.check(ERROR_RATE_VS_STABLE).e_for == check.e_for
 
 
 def test_the_alternatives_are_stored_with_the_wealth_they_index(monkeypatch):
     process = RateEvidence(above=True)
     process.update(3, 100, 0.01)
-    stored = process.to_dict()
-    assert stored["grid"] == list(sequential.AGAINST_ODDS)
+    saved = written(process)
+    assert saved["grid"] == list(sequential.AGAINST_ODDS)
     # A later release with other default alternatives resumes on the stored ones.
     monkeypatch.setattr(sequential, "AGAINST_ODDS", (2.0, 4.0))
-    resumed = RateEvidence.from_dict(stored)
-    assert resumed.odds == tuple(stored["grid"]) and resumed.e_value == process.e_value
+    resumed = read(RateEvidence, saved)
+    assert resumed.odds == tuple(saved["grid"]) and resumed.e_value == process.e_value
     # Wealth saved before grids were stored is read against the grid it was computed over.
-    stored.pop("grid")
-    assert RateEvidence.from_dict(stored).e_value == process.e_value
+    saved.pop("grid")
+    assert read(RateEvidence, saved).e_value == process.e_value
     # Wealth that does not fit its grid is refused, not paired with the wrong alternatives.
-    stored["grid"] = [2.0, 4.0]
+    saved["grid"] = [2.0, 4.0]
     with pytest.raises(ValueError, match="8 alternatives' wealth for a grid of 2"):
-        RateEvidence.from_dict(stored)
+        read(RateEvidence, saved)
 
 
 # --------------------------------------------------------------------------- the judge
@@ -286,7 +287,7 @@ def test_entering_a_step_ends_the_last_steps_process_and_counts_skipped_ones_at_
     assert check.e_against == pytest.approx(expected)
     check.enter_step(2)  # steps only go up
     assert check.step == 3
-    assert CheckEvidence.from_dict(check.to_dict()).to_dict() == check.to_dict()
+    assert written(read(CheckEvidence, written(check))) == written(check)
 
 
 def test_the_inputs_of_the_judge_are_left_as_they_were():
@@ -299,7 +300,7 @@ def test_the_inputs_of_the_judge_are_left_as_they_were():
         canary_bp=500,
         step_index=0,
     )
-    before = evidence.to_dict()
+    before = written(evidence)
     judge_sequential(
         window(cohort(rng, 5000, 0.2), cohort(rng, 5000, 0.01)),
         evidence,
@@ -307,7 +308,7 @@ def test_the_inputs_of_the_judge_are_left_as_they_were():
         canary_bp=5000,
         step_index=2,
     )
-    assert evidence.to_dict() == before
+    assert written(evidence) == before
 
 
 def test_the_stable_reference_moves_to_each_sides_cautious_side():
@@ -624,7 +625,7 @@ def test_a_restarted_controller_judges_the_next_window_exactly_as_before():
     run.window()
     run.window()
     saved = RolloutState.from_dict(run.state.to_dict())
-    assert saved.evidence is not None and saved.evidence.to_dict() == run.state.evidence.to_dict()
+    assert saved.evidence is not None and written(saved.evidence) == written(run.state.evidence)
     rng = np.random.default_rng(11)
     canary, stable = traffic(0.001)(rng, run.state.weights.canary_bp)
     start = run.state.last_analysis_at or 0.0
@@ -633,7 +634,7 @@ def test_a_restarted_controller_judges_the_next_window_exactly_as_before():
     live, _ = advance(run.state, obs, start + 60)
     resumed, _ = advance(saved, obs, start + 60)
     assert live.verdicts[-1] == resumed.verdicts[-1]
-    assert live.evidence.to_dict() == resumed.evidence.to_dict()
+    assert written(live.evidence) == written(resumed.evidence)
 
 
 def test_a_state_saved_before_the_sequential_judge_existed_resumes_on_the_threshold_judge():

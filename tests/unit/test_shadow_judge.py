@@ -23,6 +23,7 @@ from rollout.machine import (
     SetWeights,
     advance,
 )
+from rollout.persisted import written
 from rollout.plan import RolloutPlan, ShadowPlan
 from rollout.shadow_judge import (
     SHADOW_RBO,
@@ -285,7 +286,7 @@ def test_the_shadow_evidence_survives_a_restart_mid_phase() -> None:
     state, _ = advance(state, obs(2000, shadow_window(2, 12, 0.8, n=60)), 12.0)
     restored = RolloutState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.shadow_evidence is not None and state.shadow_evidence is not None
-    assert restored.shadow_evidence.to_dict() == state.shadow_evidence.to_dict()
+    assert written(restored.shadow_evidence) == written(state.shadow_evidence)
     assert restored.shadow_expected == state.shadow_expected
     assert "expected vs ranker-v41" in restored.shadow_evidence.basis
     # A state written before the shadow phase existed reads as having none.
