@@ -117,6 +117,9 @@ class LoadControl:
     _done: int = field(default=0, init=False)
     _total: int = field(default=0, init=False)
     _stage_started: float = field(default=0.0, init=False)
+    # Stages that ended, with their last figures: a watcher that looks every so often may
+    # have missed a short one altogether.
+    _ended: list[StageProgress] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------------ cancellation
 
@@ -144,14 +147,24 @@ class LoadControl:
     def begin(self, stage: LoadStage, total_bytes: int) -> None:
         """A stage starts with ``total_bytes`` to go (the stage before it is over)."""
         with self._lock:
+            now = self.clock()
+            if self._stage is not None:
+                self._ended.append(
+                    StageProgress(self._stage, self._done, self._total, now - self._stage_started)
+                )
             self._stage, self._done, self._total = stage, 0, max(0, int(total_bytes))
-            self._stage_started = self.clock()
+            self._stage_started = now
 
     def advance(self, stage: LoadStage, nbytes: int) -> None:
         """``nbytes`` more of ``stage`` are done (ignored once another stage began)."""
         with self._lock:
             if self._stage == stage:
                 self._done = min(self._total, self._done + nbytes)
+
+    def ended(self) -> list[StageProgress]:
+        """The stages that ended so far (each when the next began), in order."""
+        with self._lock:
+            return list(self._ended)
 
     def progress(self) -> StageProgress | None:
         with self._lock:

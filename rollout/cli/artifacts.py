@@ -28,17 +28,15 @@ from rollout.cli.options import check_signature_file, trust_from_options, trust_
 from rollout.cli.render import emit
 from rollout.cli.verified_load import (
     candidate_load,
+    fetch_and_load_strictly,
     fetch_servable,
-    load_strictly,
     servable_check,
     verified_model,
 )
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch, the cache or rich
-    from app.cache import ArtifactCache, VerifiedArtifact
     from app.contracts import ExpectedDivergence
-    from app.loader import CandidateLoad
-    from rollout.cli.progress import Bars
+    from app.loading.pipeline import FetchedModel
 
 DEFAULT_CACHE_DIR: Final = "var/cache"
 
@@ -251,11 +249,14 @@ def verify(
     with _redacting(manifest_uri), progress_bars(wanted(as_json)) as bars:
         cache = ArtifactCache(cache_dir, trust=TrustPolicy.of(trust, cli=True))
         servable = servable_check(model)
-        # With --load, a cold fetch feeds the weights into the model as it hashes them.
-        prepared = candidate_load(memory_budget, servable, cache, manifest_uri) if load else None
-        artifact = fetch_servable(cache, manifest_uri, manifest_sha256, servable, prepared, bars)
-        if prepared is not None:
-            payload_loaded = _load_for_verify(cache, artifact, manifest_sha256, prepared, bars)
+        if load:
+            # A cold fetch feeds the weights into the model as it hashes them.
+            prepared = candidate_load(memory_budget, servable, cache, manifest_uri)
+            fetched = fetch_and_load_strictly(cache, manifest_uri, manifest_sha256, prepared, bars)
+            artifact = fetched.artifact
+            payload_loaded = _loaded(fetched)
+        else:
+            artifact = fetch_servable(cache, manifest_uri, manifest_sha256, servable, bars)
     payload: dict[str, Any] = {
         "artifact_id": artifact.manifest.artifact_id,
         "cache_path": str(artifact.path),
@@ -269,15 +270,9 @@ def verify(
     emit(payload)
 
 
-def _load_for_verify(
-    cache: ArtifactCache,
-    artifact: VerifiedArtifact,
-    manifest_sha256: str,
-    prepared: CandidateLoad,
-    bars: Bars,
-) -> dict[str, Any]:
-    """``verify --load``: build, strictly load and dry-run, with the load's bar."""
-    model = load_strictly(cache, artifact, manifest_sha256, prepared, bars)
+def _loaded(fetched: FetchedModel) -> dict[str, Any]:
+    """What ``verify --load`` says of the model it loaded; the model closed, its lease gone."""
+    model = fetched.model
     try:
         return {
             "device": str(model.device),
@@ -289,6 +284,7 @@ def _load_for_verify(
         }
     finally:
         model.close()
+        fetched.lease.release()
 
 
 def _requests_option_check(

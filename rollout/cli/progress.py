@@ -89,7 +89,15 @@ def watching(control: LoadControl, bars: Bars) -> Iterator[LoadControl]:
         while not stop.wait(REFRESH_S):
             show()
 
+    shown_ended = 0
+
     def show() -> None:
+        # A stage that began and ended between two looks still gets its bar, at its end.
+        nonlocal shown_ended
+        ended = control.ended()
+        for stage in ended[shown_ended:]:
+            bars.update(STAGE_NAMES[stage.stage], stage.done_bytes, stage.total_bytes)
+        shown_ended = len(ended)
         now = control.progress()
         if now is not None:
             bars.update(STAGE_NAMES[now.stage], now.done_bytes, now.total_bytes)

@@ -259,7 +259,7 @@ def register_command(
     (runtime, feature schema, precision, architecture) is refused (exit 3), and so is, with a
     --trust-* anchor, an artifact without a signature the anchors accept (checked as replicas
     check it: the manifest and its signature files are read, no weights)."""
-    from app.compatibility import check_compatibility
+    from app.compatibility import check_servable
     from app.trust import TrustPolicy, verify_at_source
 
     session.secret_uris.append(manifest_uri)
@@ -278,14 +278,7 @@ def register_command(
     def servable(manifest: Manifest) -> None:
         # The artifact is registered under the manifest's model: one of another model than
         # the command's would land where no rollout of --model looks.
-        if manifest.model != session.model:
-            raise ArtifactRejected(
-                "schema",
-                f"manifest is for model {manifest.model!r}, this command for "
-                f"{session.model!r} (--model)",
-                artifact_id=manifest.artifact_id,
-            )
-        check_compatibility(manifest)
+        check_servable(manifest, session.model, "--model")
 
     record = session.writer.register_artifact(
         manifest_uri,

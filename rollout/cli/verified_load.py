@@ -17,23 +17,20 @@ from app.manifest import Manifest
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without torch or the cache
     from app.cache import ArtifactCache, VerifiedArtifact
-    from app.loader import CandidateLoad, LoadedModel
+    from app.loading.candidate import CandidateLoad
+    from app.loading.model import LoadedModel
+    from app.loading.pipeline import FetchedModel
     from rollout.cli.progress import Bars
 
 
 def servable_check(model: str) -> Callable[[Manifest], None]:
-    """What the manifest says decides whether the service could ever serve it: no weights
-    need loading to refuse an unknown runtime, schema, precision or architecture."""
-    from app.compatibility import check_compatibility
+    """What the manifest says decides whether the service could ever serve it
+    (``app.compatibility.check_servable``): no weights need loading to refuse another model,
+    an unknown runtime, schema, precision or architecture."""
+    from app.compatibility import check_servable
 
     def servable(manifest: Manifest) -> None:
-        if manifest.model != model:
-            raise ArtifactRejected(
-                "schema",
-                f"manifest is for model {manifest.model!r}; the service serves {model!r} (--model)",
-                artifact_id=manifest.artifact_id,
-            )
-        check_compatibility(manifest)
+        check_servable(manifest, model, "--model")
 
     return servable
 
@@ -46,10 +43,12 @@ def candidate_load(
 ) -> CandidateLoad:
     """The load of ``verify --load``; a head's pinned backbone is fetched from beside it,
     every byte re-hashed like the head's, and loaded first (within the budget)."""
-    from app.loader import CandidateLoad, ResidentBackbone, default_device
-    from app.memory import MemoryBudget
+    from app.loading.backbones import ResidentBackbone
+    from app.loading.candidate import CandidateLoad
+    from app.loading.device import default_device
+    from app.loading.memory import MemoryBudget
+    from app.loading.pipeline import load_pinned_backbone
     from app.model_family import SHIPPED_FAMILIES, families_for
-    from app.model_loading import load_pinned_backbone
 
     budget = MemoryBudget(capacity_bytes=memory_budget) if memory_budget else None
     device = default_device()
@@ -76,41 +75,41 @@ def fetch_servable(
     manifest_uri: str,
     manifest_sha256: str,
     servable: Callable[[Manifest], None],
-    prepared: CandidateLoad | None,
     bars: Bars,
 ) -> VerifiedArtifact:
-    """``verify``'s fetch: into the verified cache, a hit re-hashed (every byte checked), the
-    manifest checked servable; a cold fetch feeds ``prepared`` as it hashes."""
-    from app.load_control import LoadControl
+    """``verify``'s fetch without ``--load``: into the verified cache, a hit re-hashed (every
+    byte checked), the manifest checked servable."""
+    from app.loading.control import LoadControl
     from rollout.cli.progress import watching
 
-    try:
-        with watching(LoadControl(), bars) as control:
-            artifact = cache.fetch_verified(
-                manifest_uri, manifest_sha256, recheck="digests", control=control, sink=prepared
-            )
-        servable(artifact.manifest)
-    except BaseException:
-        if prepared is not None:
-            prepared.abandon()  # a head's use of its backbone, and that one's cache lease
-        raise
+    with watching(LoadControl(), bars) as control:
+        artifact = cache.fetch_verified(
+            manifest_uri, manifest_sha256, recheck="digests", control=control
+        )
+    servable(artifact.manifest)
     return artifact
 
 
-def load_strictly(
+def fetch_and_load_strictly(
     cache: ArtifactCache,
-    artifact: VerifiedArtifact,
+    manifest_uri: str,
     manifest_sha256: str,
     prepared: CandidateLoad,
     bars: Bars,
-) -> LoadedModel:
-    """``verify --load``'s load: build, strictly load and dry-run, with the load's bar."""
-    from app.load_control import LoadControl
-    from app.loader import load_verified
+) -> FetchedModel:
+    """``verify --load``: the pipeline a replica's load takes
+    (``app.loading.pipeline.fetch_and_load``), every byte of a hit re-hashed, with a bar per
+    stage: fetched and verified (a cold fetch feeds the weights into ``prepared`` as it hashes
+    them), then strictly loaded and dry-run. The caller closes the model and releases the
+    lease."""
+    from app.loading.control import LoadControl
+    from app.loading.pipeline import fetch_and_load
     from rollout.cli.progress import watching
 
-    with cache.lease(manifest_sha256), watching(LoadControl(), bars) as control:
-        return load_verified(artifact, control=control, prepared=prepared)
+    with watching(LoadControl(), bars) as control:
+        return fetch_and_load(
+            cache, manifest_uri, manifest_sha256, prepared, control=control, recheck="digests"
+        )
 
 
 def verified_model(
@@ -136,5 +135,7 @@ def verified_model(
     servable = servable_check(model)
     uri = manifest_uri_for(directory)
     prepared = candidate_load(None, servable, cache, uri)
-    artifact = fetch_servable(cache, uri, manifest_sha256, servable, prepared, bars)
-    return load_strictly(cache, artifact, manifest_sha256, prepared, bars)
+    fetched = fetch_and_load_strictly(cache, uri, manifest_sha256, prepared, bars)
+    # A replay is over when the command ends: nothing evicts the entry meanwhile.
+    fetched.lease.release()
+    return fetched.model
