@@ -126,8 +126,53 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
+class DivergenceSums:
+    """What every tally of ranking comparisons holds, whatever it is for (a replay's totals
+    here, one window's increases read from the metrics, a window's statistics, the shadow
+    phase's evidence over its windows): how many copies were compared and the sums of their
+    RBO, top-k overlap and top-1 changes. The means are derived here, once; each tally is a
+    dataclass of its own (its number types, frozen or not, persisted or not) declaring these
+    four fields."""
+
+    compared: float
+    rbo_sum: float
+    overlap_sum: float
+    top1_changed: float
+
+    @property
+    def rbo_mean(self) -> float | None:
+        return self.rbo_sum / self.compared if self.compared else None
+
+    @property
+    def overlap_mean(self) -> float | None:
+        return self.overlap_sum / self.compared if self.compared else None
+
+    @property
+    def top1_change_rate(self) -> float | None:
+        return self.top1_changed / self.compared if self.compared else None
+
+    def add_sums(self, other: DivergenceSums) -> None:
+        """Add ``other``'s comparisons to these (a mutable tally)."""
+        self.compared += other.compared
+        self.rbo_sum += other.rbo_sum
+        self.overlap_sum += other.overlap_sum
+        self.top1_changed += other.top1_changed
+
+    def clamped(self) -> tuple[int, float, float, int]:
+        """(compared, rbo_sum, overlap_sum, top1_changed) as whole counts, each sum within
+        [0, compared]: the sums of values in [0, 1] over the compared copies (figures read
+        from counters may be off by rounding, or by a counter reset)."""
+        compared = max(round(self.compared), 0)
+        return (
+            compared,
+            min(max(self.rbo_sum, 0.0), compared),
+            min(max(self.overlap_sum, 0.0), compared),
+            min(max(round(self.top1_changed), 0), compared),
+        )
+
+
 @dataclass
-class DivergenceTotals:
+class DivergenceTotals(DivergenceSums):
     """Comparisons added up: what a window of mirrored requests (or an offline replay) saw."""
 
     compared: int = 0
@@ -142,18 +187,6 @@ class DivergenceTotals:
         self.rbo_sum += d.rbo
         self.top1_changed += int(d.top1_changed)
         self.score_diffs.append(d.max_score_diff)
-
-    @property
-    def rbo_mean(self) -> float | None:
-        return self.rbo_sum / self.compared if self.compared else None
-
-    @property
-    def overlap_mean(self) -> float | None:
-        return self.overlap_sum / self.compared if self.compared else None
-
-    @property
-    def top1_change_rate(self) -> float | None:
-        return self.top1_changed / self.compared if self.compared else None
 
     def summary(self) -> Mapping[str, float | int | None]:
         return {

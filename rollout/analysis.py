@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from app.divergence import DivergenceSums
 from rollout.plan import AnalysisChecks
 
 
@@ -67,7 +68,7 @@ class CohortStats:
 
 
 @dataclass(frozen=True)
-class ShadowStats:
+class ShadowStats(DivergenceSums):
     """Mirrored copies in one window (the shadow phase): sums over the compared ones of their
     rank-biased overlap, top-k overlap and top-1 changes (app/divergence.py), the p99 of their
     largest score difference, and the copies dropped (no room in flight) or unanswered."""

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import telemetry
 from app.contracts import COHORTS
+from app.divergence import DivergenceSums
 from app.errors import MetricsUnavailable
 from rollout.analysis import CohortStats, ShadowStats, WindowStats, quantile_from_buckets
 
@@ -109,7 +110,7 @@ class CohortCounts:
 
 
 @dataclass
-class ShadowCounts:
+class ShadowCounts(DivergenceSums):
     """Increases over one window of one canary artifact's comparisons."""
 
     compared: float = 0.0
@@ -119,13 +120,12 @@ class ShadowCounts:
     score_diff_buckets: dict[float, float] = field(default_factory=lambda: defaultdict(float))
 
     def to_stats(self) -> ShadowStats:
-        compared = round(self.compared)
+        compared, rbo_sum, overlap_sum, top1_changed = self.clamped()
         return ShadowStats(
             compared=compared,
-            # Sums of values in [0, 1] over the compared copies: within [0, compared].
-            rbo_sum=min(max(self.rbo_sum, 0.0), compared),
-            overlap_sum=min(max(self.overlap_sum, 0.0), compared),
-            top1_changed=min(max(round(self.top1_changed), 0), compared),
+            rbo_sum=rbo_sum,
+            overlap_sum=overlap_sum,
+            top1_changed=top1_changed,
             max_score_diff_p99=quantile_from_buckets(0.99, self.score_diff_buckets),
         )
 

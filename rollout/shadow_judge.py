@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from app.contracts import ExpectedDivergence
+from app.divergence import DivergenceSums
 from rollout.analysis import CheckResult, Outcome, ShadowStats, Verdict
 from rollout.persisted import stored_copy
 from rollout.plan import RolloutPlan, ShadowPlan
@@ -101,7 +102,7 @@ class BoundEvidence:
 
 
 @dataclass
-class ShadowEvidence:
+class ShadowEvidence(DivergenceSums):
     """Everything the shadow phase has seen, as kept in the rollout's state."""
 
     bounds: list[BoundEvidence]
@@ -115,18 +116,6 @@ class ShadowEvidence:
     top1_changed: float = 0.0
     max_score_diff_p99: float | None = None  # the last window's
     windows: int = 0
-
-    @property
-    def rbo_mean(self) -> float | None:
-        return self.rbo_sum / self.compared if self.compared else None
-
-    @property
-    def overlap_mean(self) -> float | None:
-        return self.overlap_sum / self.compared if self.compared else None
-
-    @property
-    def top1_change_rate(self) -> float | None:
-        return self.top1_changed / self.compared if self.compared else None
 
     def copy(self) -> ShadowEvidence:
         return stored_copy(self)
@@ -222,10 +211,7 @@ def judge_shadow(
         evidence.dropped += stats.dropped
         evidence.errors += stats.errors
         if stats.compared > 0:
-            evidence.compared += stats.compared
-            evidence.rbo_sum += stats.rbo_sum
-            evidence.overlap_sum += stats.overlap_sum
-            evidence.top1_changed += stats.top1_changed
+            evidence.add_sums(stats)
             if stats.max_score_diff_p99 is not None:
                 evidence.max_score_diff_p99 = stats.max_score_diff_p99
         # A copy the canary did not answer (an error or a timeout: not one dropped for want
