@@ -33,7 +33,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import ValidationError
 
+from app.api import RankResponse
 from app.client import AsyncRankerClient, RetryPolicy
 from app.contracts import CANARY, COHORTS
 from app.errors import RankerHTTPError, RetriesExhausted
@@ -256,20 +258,29 @@ class TrafficRun:
 def _answered(
     start_s: float, latency_ms: float, status: int, user: str, body: Any, attempts: int = 1
 ) -> RequestRecord:
-    """The record of a 2xx answer, from its body: who answered, and whether by failover."""
-    model: dict[str, Any] = body.get("model") or {}
+    """The record of a 2xx answer, read as the service's public answer (``app.api.RankResponse``):
+    who answered, and whether by failover. A 2xx that is not such an answer is recorded with
+    what was wrong with it and no model."""
+    try:
+        answer = RankResponse.model_validate(body)
+    except ValidationError as exc:
+        return RequestRecord(
+            start_s, latency_ms, status, user, error=f"not a rank answer: {exc}"[:300],
+            attempts=attempts,
+        )  # fmt: skip
+    model = answer.model
     return RequestRecord(
         start_s,
         latency_ms,
         status,
         user,
-        cohort=model.get("cohort"),
-        artifact_id=model.get("artifact_id"),
-        revision=model.get("revision"),
-        failover=bool(body.get("failover")),
-        replica=model.get("replica"),
+        cohort=model.cohort,
+        artifact_id=model.artifact_id,
+        revision=model.revision,
+        failover=answer.failover,
+        replica=model.replica,
         attempts=attempts,
-        backbone=model.get("backbone_artifact_id"),
+        backbone=model.backbone_artifact_id,
     )
 
 

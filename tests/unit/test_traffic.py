@@ -33,15 +33,22 @@ def fake_router():
             seen.append(body)
             cohort = "canary" if body["user_id"].endswith("7") else "stable"
             status = 503 if body["user_id"] == "user-13" else 200
+            # The service's own answer (app.api.RankResponse), as the load generator reads it.
             payload = json.dumps(
                 {
-                    "ranking": [{"id": c["id"], "score": 0.5} for c in body["candidates"][:3]],
+                    "ranking": [
+                        {"id": c["id"], "score": 0.5, "label": "relevant"}
+                        for c in body["candidates"][:3]
+                    ],
                     "model": {
                         "artifact_id": f"a-{cohort}",
                         "revision": 1,
-                        "cohort": cohort,
+                        "runtime_build": "torch-test",
                         "replica": f"r-{cohort}",
+                        "backbone_artifact_id": None,
+                        "cohort": cohort,
                     },
+                    "failover": False,
                 }
             ).encode()
             self.send_response(status)
@@ -135,3 +142,11 @@ def test_timeline_picture_is_written(tmp_path):
     recs.append(RequestRecord(2.0, 30, 503, "u9", error="draining"))
     out = plot_timeline(recs, tmp_path / "t.png", weights=[(0, 0), (1, 25)], phases=[(1, "step 1")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_2xx_that_is_not_a_rank_answer_is_recorded_without_a_model() -> None:
+    from rollout.local.traffic import _answered
+
+    record = _answered(0.0, 1.0, 200, "user-1", {"ranking": [], "model": {"revision": "x"}})
+    assert record.status == 200 and record.cohort is None and record.artifact_id is None
+    assert record.error is not None and record.error.startswith("not a rank answer")
