@@ -209,8 +209,9 @@ def retrying_clients(url: str, concurrency: int = 4) -> TrafficRun:
 
 
 def failed(records: Sequence[RequestRecord]) -> list[RequestRecord]:
-    """Requests without a 2xx answer (status 0: no HTTP answer at all)."""
-    return [r for r in records if not 200 <= r.status < 300]
+    """Requests without a 2xx answer (status 0: no HTTP answer at all), or whose 2xx was not
+    a rank answer (the load generator says what was wrong with it)."""
+    return [r for r in records if not 200 <= r.status < 300 or r.error is not None]
 
 
 def assert_all_ok(records: Sequence[RequestRecord]) -> None:
