@@ -54,7 +54,7 @@ async def read_body(
     A ``Content-Length`` over the limit is refused before a byte is read; a body without
     one (chunked) is read chunk by chunk and refused as soon as it passes the limit, so a
     client cannot make the service hold more than ``limit`` bytes of one request (the
-    proxy in front still buffers what the client sends meanwhile: see README "Security").
+    proxy in front still buffers what the client sends meanwhile: see docs/security.md).
     """
     if content_length is not None:
         declared = content_length.strip()

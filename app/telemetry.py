@@ -85,9 +85,9 @@ STANDBY_GAUGES: Final = (
 # the earlier, coarser grid among them, so a ceiling such as 250 ms stays a bound) and 1.25-1.33x
 # above. The sequential judge counts a request as slower than a limit only when its whole
 # bucket is (rollout/sequential.py), so the width of the bucket a limit falls in is evidence it
-# cannot use (the README's judge benchmark shows what the finer steps bought). A quantile read
-# from them is within a few percent. Changing them is a rolling change for the judge: it reads
-# every router at the bounds they all export (rollout/metrics.py).
+# cannot use (the judge benchmark in docs/benchmarks.md shows what the finer steps bought).
+# A quantile read from them is within a few percent. Changing them is a rolling change for
+# the judge: it reads every router at the bounds they all export (rollout/metrics.py).
 _LATENCY_DECADE: Final = (
     1, 1.1, 1.2, 1.25, 1.4, 1.5, 1.6, 1.75, 1.9, 2, 2.2, 2.4, 2.5, 2.75, 3, 3.25, 3.5, 3.75, 4,
     4.4, 4.8, 5, 5.5, 6, 6.5, 7, 7.5, 8.25, 9,

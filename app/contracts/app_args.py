@@ -34,7 +34,7 @@ from app.contracts.vocabulary import (
 class CohortArgs(Contract):
     """One ranker deployment (stable, canary or fallback). Serve's ``autoscaling_config``
     for it goes in the Serve config's ``deployments`` list, where Serve changes it in place
-    (README "Autoscaling"); ``num_replicas`` is then ignored."""
+    (docs/deploying.md, "Autoscaling"); ``num_replicas`` is then ignored."""
 
     num_replicas: Annotated[int, Field(ge=0, le=10_000)] = 1
     num_cpus: Annotated[float, Field(ge=0, le=1024)] = 0.25

@@ -2,7 +2,7 @@
 
 Scripts and pipelines key on them: a lost compare-and-set (4) is re-read and decided again, an
 unavailable registry, Serve or artifact store (7) is retried, a rejected artifact (3) is not.
-The README lists the same table; tests run the installed binary against it.
+docs/operating.md lists the same table; tests run the installed binary against it.
 """
 
 from __future__ import annotations

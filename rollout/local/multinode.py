@@ -359,7 +359,8 @@ def pinned_layout(
 
 
 def ensure_token() -> None:
-    """The user's cluster token (``~/.ray/auth_token``), made as the README says when missing."""
+    """The user's cluster token (``~/.ray/auth_token``), made as docs/deploying.md says when
+    missing."""
     if (Path.home() / ".ray" / "auth_token").is_file():
         return
     subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True)

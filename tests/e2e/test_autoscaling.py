@@ -80,7 +80,8 @@ def test_autoscaled_pools_scale_with_the_rollout_and_the_load(scenario: Scenario
 
     # Both switched in one PUT before any traffic: adding an autoscaling_config to the
     # config's deployments list changes the app's code version, and Serve restarts every
-    # replica (README "Autoscaling": set it when deploying, then only its values change).
+    # replica (docs/deploying.md, "Autoscaling": set it when deploying, then only its values
+    # change).
     canary = {"min_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 1,
               "downscale_delay_s": 1, **QUICK}  # fmt: skip
     # Stable scales down after 10 s, not Serve's 10 minutes: the replicas' first answers

@@ -55,7 +55,7 @@ def test_cluster_yaml_passes_the_launchers_own_validation() -> None:
 
 def test_files_go_under_the_ssh_users_home_with_the_token_among_them() -> None:
     """The launcher syncs as the SSH user (not root): a remote path outside its home fails
-    the sync. Every local source is a path of the checkout or one the README makes."""
+    the sync. Every local source is a path of the checkout or one docs/deploying.md makes."""
     config = cluster_yaml()
     # Where Ray's token loader looks on every node: the token `ray up` was run with.
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
@@ -63,7 +63,7 @@ def test_files_go_under_the_ssh_users_home_with_the_token_among_them() -> None:
         assert remote.startswith("~/"), remote
         if local == ".":
             continue
-        assert local.startswith(("./var/", "~/.ray/")), local  # made by the README's steps
+        assert local.startswith(("./var/", "~/.ray/")), local  # made by docs/deploying.md's steps
 
 
 def test_the_checkout_syncs_without_local_state(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def _isolation(temp_dir: str) -> list[str]:
 @pytest.fixture
 def token_home() -> Iterator[Path]:
     """The home of the machine `ray up` runs from, and of the nodes it syncs to: the token
-    made as the README says (`ray get-auth-token --generate`) is ~/.ray/auth_token."""
+    made as docs/deploying.md says (`ray get-auth-token --generate`) is ~/.ray/auth_token."""
     home = Path(tempfile.mkdtemp(prefix="ranker-home-"))
     try:
         done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The exit codes the README documents, from the installed ``rollout`` binary run as a
+"""The exit codes docs/operating.md documents, from the installed ``rollout`` binary run as a
 subprocess, as scripts and pipelines run it (SQLite registry; no cluster needed)."""
 
 from __future__ import annotations
