@@ -16,7 +16,7 @@ from rollout.cli import main
 from tests import artifacts
 from tests.file_artifacts import file_entry, make_file_artifact, rewrite_manifest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

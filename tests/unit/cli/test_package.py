@@ -22,7 +22,7 @@ from rollout.cli import artifacts, operate
 from rollout.cli.exit_codes import EXIT_UNAVAILABLE, exit_code_for
 from rollout.cli.main import _Commands
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Old path -> new home: the shims kept for one release.
 MOVED_MODULES = {
