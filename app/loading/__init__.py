@@ -26,6 +26,7 @@ The package, by what each module decides:
 - ``backbones``: backbones resident for the heads that pin them;
 - ``candidate``: the candidate load, step by step (``load_verified``, ``load_backbone``);
 - ``memory``: the memory budget a candidate must fit beside the model serving;
+- ``failures``: what a failed load reports, and whether another attempt can cure it;
 - ``pipeline``: a replica's target fetched through the cache, loaded and installed as a
   generation (``ModelLoader``).
 
