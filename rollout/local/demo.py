@@ -274,6 +274,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
 
     _echo("== summary")
     _echo(f"   requests {summary.requests}, non-2xx {summary.non_2xx}, "
+          f"not a rank answer {summary.invalid_answers}, "
           f"failovers {summary.failovers}, statuses {summary.statuses}")  # fmt: skip
     for cohort, stats in summary.by_cohort.items():
         _echo(f"   {cohort:<7} {stats['requests']:>6} answers  p50 {stats['p50_ms']:.1f} ms  "
@@ -299,6 +300,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
         },
         "requests": summary.requests,
         "non_2xx": summary.non_2xx,
+        "invalid_answers": summary.invalid_answers,
         "failovers": summary.failovers,
         "final_phase": final_phase,
         "stable_artifact": current_stable,
@@ -310,6 +312,7 @@ def run_demo(workdir: Path, *, rate: float, keep: bool) -> int:
     click.echo(json.dumps(result, sort_keys=True))
     ok = (
         summary.non_2xx == 0
+        and summary.invalid_answers == 0
         and final_phase == "succeeded"
         and current_stable == BASELINE
         and broken.get("phase") == "rolled_back"

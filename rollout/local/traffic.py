@@ -303,6 +303,8 @@ class TrafficSummary:
     failovers: int
     by_cohort: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
     by_artifact: dict[str, int] = field(default_factory=dict)
+    # 2xx answers that were not rank answers (the record says what was wrong with each).
+    invalid_answers: int = 0
 
 
 def summarize(records: Sequence[RequestRecord]) -> TrafficSummary:
@@ -326,6 +328,7 @@ def summarize(records: Sequence[RequestRecord]) -> TrafficSummary:
         failovers=sum(1 for r in records if r.failover),
         by_cohort=by_cohort,
         by_artifact=dict(Counter(r.artifact_id for r in records if r.artifact_id)),
+        invalid_answers=sum(1 for r in records if 200 <= r.status < 300 and r.error is not None),
     )
 
 

@@ -150,3 +150,5 @@ def test_a_2xx_that_is_not_a_rank_answer_is_recorded_without_a_model() -> None:
     record = _answered(0.0, 1.0, 200, "user-1", {"ranking": [], "model": {"revision": "x"}})
     assert record.status == 200 and record.cohort is None and record.artifact_id is None
     assert record.error is not None and record.error.startswith("not a rank answer")
+    summary = summarize([record])
+    assert (summary.non_2xx, summary.invalid_answers) == (0, 1)
