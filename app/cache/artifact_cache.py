@@ -93,7 +93,6 @@ class ArtifactCache:
         if not isinstance(trust, TrustPolicy):
             config = (trust or SignatureTrust()).with_key(str(trust_key) if trust_key else None)
             trust = TrustPolicy.of(config)
-        self._trust: TrustPolicy | None = trust
         self._signatures = EntrySignatures(trust, self.fetch)
         claim_cache_root(self.root)
         self.artifacts_dir = self.root / "artifacts"
@@ -319,7 +318,7 @@ class ArtifactCache:
                 self._set_aside(entry, "corrupt")
             return None
         signature = None
-        if self._trust is not None:
+        if self._signatures.trust is not None:
             # Not a sign of corruption: the entry stays for consumers that need no signature.
             signature = self._signatures.check_hit(
                 entry, manifest, manifest_bytes, stored_signatures, manifest_uri
@@ -353,8 +352,8 @@ class ArtifactCache:
         signatures = self._signatures.read(source, manifest)
         signature = None
         try:
-            if self._trust is not None:
-                signature = self._trust.verify(manifest_bytes, manifest, signatures)
+            if self._signatures.trust is not None:
+                signature = self._signatures.trust.verify(manifest_bytes, manifest, signatures)
             check_limits(manifest, self.limits, self.byte_budget)
             check_listing(source, manifest, self._signatures.names(manifest))
             consumers = dict(sink.start(manifest)) if sink is not None else {}

@@ -27,6 +27,7 @@ from app.generations import Generation, GenerationHolder
 from app.loading.backbones import BackboneFreed, ResidentBackbone
 from app.loading.candidate import CandidateLoad, load_backbone, load_verified
 from app.loading.control import LoadControl, LoadPacer
+from app.loading.failures import RETRYABLE_CATEGORIES
 from app.loading.memory import MemoryBudget
 from app.loading.model import LoadedModel
 from app.manifest import BackboneRef, Manifest, backbone_manifest_uri
@@ -34,9 +35,9 @@ from app.model_family import DEFAULT_FAMILIES, Families, families_for
 
 # What a loader reading a verified cache entry finds when the entry's bytes changed since.
 CACHED_BYTES_CHANGED: Final = frozenset({"size", "digest"})
-# Refusals of a head's backbone that a later attempt may not meet (app.reconciler retries
-# them): kept as they are rather than made a final ``backbone`` refusal.
-RETRYABLE_BACKBONE_CATEGORIES: Final = frozenset({"size", "digest", "budget", "missing"})
+# Refusals of a head's backbone that a later attempt may meet are what the reconciler retries
+# (app.loading.failures): kept as they are rather than made a final ``backbone`` refusal.
+RETRYABLE_BACKBONE_CATEGORIES: Final = RETRYABLE_CATEGORIES
 
 
 @dataclass
