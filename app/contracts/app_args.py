@@ -106,7 +106,7 @@ class ControllerSettings(Contract):
     tick_interval_s: Annotated[float, Field(gt=0, le=300)] = 1.0
     # Reports older than this do not count as a replica's state.
     report_stale_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    # The router hands its counts to Ray within a second and Ray exports them once per report
+    # The router hands its counts to Ray within 0.25 s and Ray exports them once per report
     # interval (``metrics_report_interval_ms``): the first window after a weight change starts
     # at least this long after the weights went live, so that no request answered under the
     # previous weights is counted in it. The controller raises it to what the interval it

@@ -457,21 +457,37 @@ class IngressCore:
 
     async def probe_turn(self) -> float:
         """One turn of the probe loop: a probe round of every role when one is due, then the
-        counts flushed; returns the seconds to sleep before the next turn."""
+        counts flushed; returns the seconds to sleep before the next turn. The counts are
+        also flushed every ``REQUEST_COUNT_FLUSH_S`` while a round runs: a probe of a silent
+        replica waits out its timeout (up to 2 s), and the controller's first window after a
+        weight change waits only the flush interval for the counts of the old weights."""
         if self._clock() >= self._next_probe or self._probe_due:
             self._probe_due = False
-            resting = self.canary_resting()
-            if resting:
-                self.views[CANARY].clear()
-                self._size_coalescer(CANARY)
-            probed = [c for c in self.roles if not (resting and c == CANARY)]
-            await asyncio.gather(*(self.probe(c) for c in probed))
-            self.first_probe.set()
-            self.probe_restarts.round_completed()
-            self._next_probe = self._clock() + self.config.probe_interval_s
-            self.standby.after_probe_round(self._clock())
+            probe_round = asyncio.ensure_future(self._probe_round())
+            try:
+                while not probe_round.done():
+                    await asyncio.wait({probe_round}, timeout=t.REQUEST_COUNT_FLUSH_S)
+                    if not probe_round.done():
+                        self.flush_counts()
+            except asyncio.CancelledError:
+                probe_round.cancel()
+                raise
+            probe_round.result()  # a round that raised ends the turn (the loop restarts)
         self.flush_counts()
         return min(t.REQUEST_COUNT_FLUSH_S, self.config.probe_interval_s)
+
+    async def _probe_round(self) -> None:
+        """Probe every role once (the canary not while it rests) and record the findings."""
+        resting = self.canary_resting()
+        if resting:
+            self.views[CANARY].clear()
+            self._size_coalescer(CANARY)
+        probed = [c for c in self.roles if not (resting and c == CANARY)]
+        await asyncio.gather(*(self.probe(c) for c in probed))
+        self.first_probe.set()
+        self.probe_restarts.round_completed()
+        self._next_probe = self._clock() + self.config.probe_interval_s
+        self.standby.after_probe_round(self._clock())
 
     async def probe(self, cohort: Role) -> None:
         """Probe one role and record what was found: health, breaker, replica views."""

@@ -223,7 +223,7 @@ def test_the_start_commands_bring_up_a_token_cluster_the_controller_reads(
         assert started.returncode == 0, started.stderr[-4000:]
         ping = json.loads(started.stdout)
         assert ping["metrics_export_interval_s"] == 2.0
-        assert ping["window_delay_s"] == pytest.approx(3.4)  # 1 s flush + 1.2 x 2 s
+        assert ping["window_delay_s"] == pytest.approx(2.65)  # 0.25 s flush + 1.2 x 2 s
     finally:
         stop_cluster_processes(temp_dir)
         time.sleep(0.5)

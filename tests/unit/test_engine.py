@@ -278,8 +278,8 @@ def test_an_audit_record_waits_for_the_writes_before_it(registry: Registry) -> N
 def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registry) -> None:
     """At Ray's default 10 s report interval, a window starting 1 s after the weights went
     live would count requests answered under the previous weights: the router hands its
-    counts over within 1 s and Ray exports them up to one interval later (x1.2), so the first
-    window after a weight change starts 13 s after it."""
+    counts over within 0.25 s and Ray exports them up to one interval later (x1.2), so the
+    first window after a weight change starts 12.25 s after it."""
     plan = RolloutPlan.model_validate({**PLAN.model_dump(), "interval_s": 30})
     first_starts = []
     for export_interval_s in (None, 1.0, 10.0):
@@ -292,8 +292,8 @@ def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registr
         world.engine.command(Abort(reason="test over"), actor="t", reason="test over")
         world.run()
     configured, fast, slow = first_starts
-    assert fast == pytest.approx(configured + 1.2)  # 1 + 1.2 x 1 s beats the configured 1 s
-    assert slow == pytest.approx(configured + 12.0)  # 13 s instead of 1 s
+    assert fast == pytest.approx(configured + 0.45)  # 0.25 + 1.2 x 1 s beats the configured 1 s
+    assert slow == pytest.approx(configured + 11.25)  # 12.25 s instead of 1 s
 
 
 def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -> None:

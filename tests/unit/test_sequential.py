@@ -652,7 +652,7 @@ def test_a_state_saved_before_the_sequential_judge_existed_resumes_on_the_thresh
 
 
 def test_a_histogram_ahead_of_the_request_counter_is_judged_not_refused():
-    # The router's histogram is recorded per request, its counter flushed about once a
+    # The router's histogram is recorded per request, its counter flushed every quarter
     # second: a window may hold more timed requests than counted ones, all of them slow.
     slow = {100.0: 0.0, 5000.0: 0.0, INF: 40.0}
     plan = RolloutPlan()

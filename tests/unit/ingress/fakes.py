@@ -32,7 +32,8 @@ class NotServing(RuntimeError):
 class Replicas:
     """The core's transport. ``rank[role]``: how its calls end ("ok", "fail", "not_serving",
     "hang"); ``probe[role]``: what a status call finds ("serving", "idle" without a model,
-    "gone": the call fails). ``sent`` lists (role, batch size) of every rank call."""
+    "gone": the call fails, "hang": no answer). ``sent`` lists (role, batch size) of every
+    rank call."""
 
     def __init__(self) -> None:
         self.rank = {STABLE: "ok", CANARY: "ok", FALLBACK: "ok"}
@@ -63,6 +64,8 @@ class Replicas:
         mode = self.probe[role]
         if mode == "gone":
             raise ConnectionError(f"no {role} replica")
+        if mode == "hang":
+            await asyncio.sleep(3600)
         serving = mode == "serving"
         return InstanceReport(
             replica_id=f"{role}-1",

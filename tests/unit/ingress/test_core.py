@@ -391,6 +391,27 @@ def test_outcome_counts_are_flushed_once_into_the_requests_counter_with_the_gaug
     asyncio.run(main())
 
 
+def test_counts_are_flushed_while_a_probe_round_waits_on_a_silent_replica() -> None:
+    # The controller's first window after a weight change waits the flush interval for the
+    # counts of the old weights: a probe that waits out its timeout must not hold them back.
+    async def main() -> None:
+        replicas = Replicas()
+        core = make_core(replicas)  # probes time out after 0.5 s here
+        await probed(core)
+        for i in range(5):
+            await rank(core, f"u{i}")
+        replicas.probe[STABLE] = "hang"
+        core.probe_now()
+        turn = asyncio.ensure_future(core.probe_turn())
+        await asyncio.sleep(t.REQUEST_COUNT_FLUSH_S + 0.1)
+        assert not turn.done()  # the round still waits on stable's silent replica
+        assert core.metrics.requests.total(outcome="ok") == 5
+        await turn
+        assert core.probe_restarts.view.restarts == 0
+
+    asyncio.run(main())
+
+
 def test_status_shows_weights_health_replicas_and_the_probe_loops_deaths() -> None:
     async def main() -> None:
         replicas, clock = Replicas(), Clock()
