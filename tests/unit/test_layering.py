@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -137,8 +138,20 @@ def test_importing_the_whole_core_loads_no_ray() -> None:
     assert not loaded & set(CORE_MUST_NOT_IMPORT), sorted(loaded & set(CORE_MUST_NOT_IMPORT))
 
 
+@functools.cache
+def loaded_by_every_pure_module() -> frozenset[str]:
+    """What importing all of PURE_MODULES loads, in one fresh interpreter: the union of what
+    each loads on its own (an import loads the same modules whatever was imported before;
+    nothing here decides what to import by what is loaded). One interpreter for 40-odd
+    modules, instead of one each (about half a second apiece)."""
+    return frozenset(loaded_after_import(*PURE_MODULES))
+
+
 @pytest.mark.parametrize("module", PURE_MODULES)
 def test_pure_module_loads_no_ray_torch_or_database(module: str) -> None:
+    if not loaded_by_every_pure_module() & set(PURE_MUST_NOT_LOAD):
+        return  # none of them loads any: nor does this one
+    # One of them does: this module's own interpreter says whether it is this one.
     bad = set(loaded_after_import(module)) & set(PURE_MUST_NOT_LOAD)
     assert not bad, f"importing {module} loads {sorted(bad)}"
 

@@ -7,8 +7,8 @@ reads from the same file (fp32, and fp16/bf16 upcast on the CPU); padding betwee
 tensors (refused by the reference parser) is refused once the digest holds; a byte changed in
 the cache after verification is caught during the load and nothing is installed (the entry is
 set aside, the next load fetches it again); a cancelled load stops within one chunk and gives
-its memory back; a ~1 GiB load's peak RSS is the weights plus a bounded margin (measured in a
-process of its own).
+its memory back; a 512 MiB load's peak RSS is the weights plus a bounded margin (measured in a
+process of its own, which also compares what it loaded with the library's reading).
 """
 
 from __future__ import annotations
@@ -234,12 +234,13 @@ def test_a_cancelled_load_stops_within_one_chunk_and_frees_its_memory(tmp_path: 
 PEAK_PROBE = """
 import json, os, sys
 from pathlib import Path
+import safetensors
 import torch
 from app.cache import VerifiedArtifact
 from app.loading.candidate import load_verified
 from app.manifest import MANIFEST_NAME, parse_manifest
 
-out, digest = Path(sys.argv[1]), sys.argv[2]
+out, digest, weights_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 manifest = parse_manifest((out / MANIFEST_NAME).read_bytes(), digest)
 artifact = VerifiedArtifact(path=out, manifest=manifest, manifest_sha256=digest)
 def rss():
@@ -250,19 +251,32 @@ model = load_verified(artifact, device=torch.device("cpu"))
 # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec.
 with open("/proc/self/status") as fh:
     peak = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
-print(json.dumps({"before": before, "peak": peak, "weights": model.param_bytes}))
+# After the peak is read: what was loaded against the safetensors library's reading of the
+# same file, tensor by tensor.
+served = {k: v.detach() for k, v in model._model.state_dict().items()}
+with safetensors.safe_open(str(out / weights_file), framework="pt") as reader:
+    keys = list(reader.keys())
+    differ = [k for k in keys if not torch.equal(served[k], reader.get_tensor(k))]
+print(json.dumps({"before": before, "peak": peak, "weights": model.param_bytes,
+                  "compared": len(keys), "differ": differ}))
 """
 
+# A load that held the file's bytes and the tensors at once (the old loader) adds at least
+# twice the weights; a single-pass load adds the weights and a fixed margin (the dry run's
+# activations, allocator slack: 137 MB measured at this width). At 512 MiB the two are
+# hundreds of MiB apart (the file read into memory first: 669 MB over the weights), and
+# the test packs and loads half of what 1 GiB cost.
+PEAK_MARGIN_BYTES = 256 << 20
 
-def test_a_one_gib_load_holds_the_weights_once(tmp_path: Path) -> None:
-    # ~1 GiB of fp32 weights (16 layers of 4096 x 4096); the old loader held the file's
-    # bytes and the tensors at once (2x and more).
-    params = {"hidden_dim": 4096, "num_layers": 16, "context_dim": 16}
-    result = pack_ranker(tmp_path, artifact_id="st-gib", params=params, seed=7)
+
+def test_a_half_gib_load_holds_the_weights_once(tmp_path: Path) -> None:
+    # About 512 MiB of fp32 weights (eight 4096 x 4096 layers between the input and output).
+    params = {"hidden_dim": 4096, "num_layers": 9, "context_dim": 16}
+    result = pack_ranker(tmp_path, artifact_id="st-half-gib", params=params, seed=7)
     weights_file = result.out_dir / ST
-    assert weights_file.stat().st_size > 900 << 20
+    assert weights_file.stat().st_size > 500 << 20
     probe = subprocess.run(
-        [sys.executable, "-c", PEAK_PROBE, str(result.out_dir), result.manifest_sha256],
+        [sys.executable, "-c", PEAK_PROBE, str(result.out_dir), result.manifest_sha256, ST],
         capture_output=True,
         text=True,
         timeout=600,
@@ -271,19 +285,10 @@ def test_a_one_gib_load_holds_the_weights_once(tmp_path: Path) -> None:
     assert probe.returncode == 0, probe.stderr[-3000:]
     figures = json.loads(probe.stdout.strip().splitlines()[-1])
     added = figures["peak"] - figures["before"]
-    # The weights once, plus the dry run's activations and allocator slack: well under the
-    # 2x of a load that holds the file and the tensors.
-    assert added <= 1.25 * figures["weights"], figures
-
+    assert figures["weights"] > 500 << 20, figures
+    assert added <= figures["weights"] + PEAK_MARGIN_BYTES, figures
     # And what was loaded is what the safetensors library reads from the same file.
-    model = load_verified(open_verified(result), device=CPU)
-    try:
-        got = served_state(model)
-        with safetensors.safe_open(str(weights_file), framework="pt") as reader:
-            for key in reader.keys():  # noqa: SIM118 - safe_open has no __iter__
-                assert torch.equal(got[key], reader.get_tensor(key)), key
-    finally:
-        model.close()
+    assert figures["compared"] > 8 and figures["differ"] == [], figures
 
 
 def test_a_cold_fetch_feeds_the_weights_into_the_model_as_it_hashes_them(
