@@ -119,12 +119,16 @@ class LocalCluster:
             control.close()
 
     @staticmethod
-    def stop() -> None:
+    def stop(*, graceful: bool = True) -> None:
+        """Stop what ``start`` started. ``graceful``: Serve's applications are deleted first
+        (each replica drains its requests); without it the cluster's processes end at once,
+        which a test session that is done with every application can afford."""
         import ray
         from ray import serve
 
         try:
-            serve.shutdown()
+            if graceful:
+                serve.shutdown()
         finally:
             ray.shutdown()
             os.environ.pop("RAY_GCS_SERVER_PORT", None)

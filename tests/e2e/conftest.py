@@ -3,7 +3,10 @@
 - ``serve_cluster`` (session): one real Ray cluster with Serve, and no application of the
   tests' own yet (the modules that deploy their own apps take this one).
 - ``cluster`` (session): ``serve_cluster`` with the data-plane ``ranker`` app, deployed when
-  the first test asks for it (after the modules on ``rollout-e2e``, which run first).
+  the first test asks for it (after the modules on ``rollout-e2e``, which run first) and
+  removed after the last test of the session that uses it (``pytest_runtest_teardown``), so
+  it does not idle beside the modules after it (about an eighth of a core, measured: its
+  replicas' reports and its router's probes).
 - ``serving`` (per test): the session cluster after a cheap reset to its baseline.
 - ``env`` (session): the ``rollout-e2e`` app in the session cluster, driven by the real rollout
   controller, with its registry; deployed once for every module that uses it (a deploy costs
@@ -32,7 +35,7 @@ from tests.e2e.harness import (
     BASELINE,
     Cluster,
     RolloutEnv,
-    deploy_ranker_app,
+    ranker_application,
     reset_rollout,
     reset_serving,
     rollout_application,
@@ -46,9 +49,15 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         yield c
 
 
+# Holds the session's data-plane app, so that it can be removed after its last user.
+_RANKER_APP = ExitStack()
+# The last test of the session (in its run order) that uses ``cluster``: set at collection.
+_LAST_RANKER_USER: list[pytest.Item] = []
+
+
 @pytest.fixture(scope="session")
 def cluster(serve_cluster: Cluster) -> Cluster:
-    deploy_ranker_app(serve_cluster)
+    _RANKER_APP.enter_context(ranker_application(serve_cluster))
     return serve_cluster
 
 
@@ -88,17 +97,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             bool(getattr(item.module, "CHANGES_THE_SHARED_APP", False)),
         )
     )
+    users = [item for item in items if uses_the_data_plane_app(item)]
+    _LAST_RANKER_USER[:] = users[-1:]
+
+
+def uses_the_data_plane_app(item: pytest.Item) -> bool:
+    defs = item._fixtureinfo.name2fixturedefs.get("cluster") or ()
+    return bool(defs) and defs[-1].scope == "session"
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """After the last test on the session's rollout-e2e app (its own teardown done), the app
-    is removed: the modules after it do not share two cores with its idle replicas."""
+    is removed, and the data-plane app after its last user: the modules after them do not
+    share two cores with their idle replicas."""
     result = yield
     if uses_the_session_rollout_app(item) and (
         nextitem is None or not uses_the_session_rollout_app(nextitem)
     ):
         _ROLLOUT_APP.close()
+    if item in _LAST_RANKER_USER:
+        _RANKER_APP.close()
     return result
 
 

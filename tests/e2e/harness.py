@@ -101,11 +101,13 @@ BASELINE, CANDIDATE = "ranker-v41", "ranker-v42"
 
 # The machine's and the serving path's scenarios use the threshold judge: one short window
 # decides, so they take seconds. The sequential judge's scenarios (tests/e2e/test_acceptance.py)
-# give it the traffic it needs.
+# give it the traffic it needs. A 2 s window at 20% of 30 requests a second holds about 12
+# canary requests, over min_requests (5); a step is its window plus the wait for the old
+# weights' metrics (1.45 s at the session's 1 s export) and a tick or two.
 FAST_PLAN: dict[str, Any] = {
     "judge": "threshold",
     "steps": [20, 50, 100],
-    "interval_s": 3,
+    "interval_s": 2,
     "min_requests": 5,
     "threshold": 2,
     "progress_deadline_s": 60,
@@ -398,7 +400,9 @@ def session_cluster(work: Path) -> Iterator[Cluster]:
         )
     finally:
         rest.close()
-        LocalCluster.stop()
+        # Nothing is served any more: Serve's graceful deletion of every app would only add
+        # seconds to the session's end (ray.shutdown ends the processes this started).
+        LocalCluster.stop(graceful=False)
         os.environ.pop(FAULT_INJECTION_ENV, None)
 
 
@@ -412,13 +416,16 @@ def add_application(control: ServeControl, application: dict[str, Any]) -> None:
     )
 
 
-def remove_application(control: ServeControl, name: str) -> None:
-    """The app ``name`` out of the declarative config, and gone."""
+def remove_application(control: ServeControl, name: str, *, wait: bool = True) -> None:
+    """The app ``name`` out of the declarative config, and gone (``wait``: waited for; else
+    Serve deletes it while the caller goes on)."""
     control.update(
         lambda config: config.update(
             applications=[a for a in config["applications"] if a["name"] != name]
         )
     )
+    if not wait:
+        return
     wait_until(
         lambda: name not in (control.details().get("applications") or {}),
         120,
@@ -444,6 +451,18 @@ def deploy_ranker_app(cluster: Cluster) -> None:
         "router ready",
         retry_on=(Exception,),
     )
+
+
+@contextmanager
+def ranker_application(cluster: Cluster) -> Iterator[None]:
+    """The data-plane ``ranker`` app for the block (``deploy_ranker_app``); removed after it
+    without waiting for Serve to finish deleting it (the next module deploys its own app
+    meanwhile)."""
+    deploy_ranker_app(cluster)
+    try:
+        yield
+    finally:
+        remove_application(cluster.rest, APP, wait=False)
 
 
 def reset_serving(cluster: Cluster) -> None:

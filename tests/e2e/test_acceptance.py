@@ -256,9 +256,10 @@ def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
     twin = _twin_of_baseline(tmp_path)
     s.given.stable_on(BASELINE).candidate(twin).steady_traffic(rate=50)
     # Slow uploads aimed at the canary: one a second, its body 3.5 s on the way, from users
-    # in the canary from the first step (20%) on. At 10 canary answers a second, one such in
-    # each 3 s window is its p99 and over the 3000 ms ceiling, were the upload counted as
-    # the canary's latency (it was: an audit got good candidates rolled back this way).
+    # in the canary at 20% (and so at every step). At 25 canary answers a second (50% of 50),
+    # the two in each 2 s window would put its p99 over the 3000 ms ceiling, were the upload
+    # counted as the canary's latency (it was: an audit got good candidates rolled back this
+    # way).
     salt = (s.env.control.current_user_config(ROLLOUT_APP, "router") or {}).get(
         "salt", RouterConfig().salt
     )
@@ -743,8 +744,9 @@ def test_registry_down_holds_the_rollout_and_serving_goes_on(scenario: Scenario)
 
     s.given.stable_on(BASELINE).steady_traffic(rate=30)
     # The outage outlasts the progress deadline: a rollout that counted it would roll back.
-    # 15 s: room for a step's 3 s window on a busy machine, and an outage of 20 s.
-    deadline_s = 15
+    # 10 s: room for three of the step's 2 s windows (about 12 canary requests each at 20% of
+    # 30 a second, against min_requests 5) on a busy machine, and an outage of 15 s.
+    deadline_s = 10
     # Two steps: the outage falls in the first; the gate before the second shows that the
     # rollout went on after it (its 20% window judged) without another step's window.
     s.when.start_rollout(

@@ -847,3 +847,23 @@ def test_every_metric_the_dashboard_queries_is_exported(serving: Cluster) -> Non
         return True
 
     wait_until(all_exported, 60, "every dashboard metric exported", retry_on=(Exception,))
+
+
+def test_rollout_standby_on_an_app_without_a_fallback_exits_5(cluster: Cluster, tmp_path) -> None:
+    """The installed binary, on this data-plane app (stable, canary, router; no fallback
+    deployment): a not-found error naming what is missing, not a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("rollout")), "standby", "--app", APP,
+         "--address", ray.get_runtime_context().gcs_address, "--timeout", "60"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
+    )  # fmt: skip
+    assert done.returncode == 5, done.stderr
+    assert "has no fallback deployment" in done.stderr and "Traceback" not in done.stderr
