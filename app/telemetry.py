@@ -38,9 +38,9 @@ ARTIFACT: Final = "artifact"  # shadow comparisons: the canary's artifact id (th
 # The router adds its request counts up locally and hands them to Ray at least this often
 # (one metric call per request costs the hop measurably); Ray exports them with its next
 # metrics report. The controller's first window after a weight change waits this plus the
-# export interval: a flush is a dozen metric calls (the counts and the gauges), 4 a second
-# cost the router nothing it would notice, and a step of a rollout starts its window 0.75 s
-# sooner than at 1 s.
+# export interval: a flush is a dozen metric calls (the counts and the gauges), so 4 a
+# second are some 50 calls a second beside a router that makes a few per request, and a
+# step of a rollout starts its window 0.75 s sooner than at 1 s.
 REQUEST_COUNT_FLUSH_S: Final = 0.25
 ROUTER_REQUESTS: Final = "ranker_router_requests"  # counter {cohort, outcome}
 ROUTER_LATENCY_MS: Final = "ranker_router_latency_ms"  # histogram {cohort, outcome}
