@@ -78,10 +78,15 @@ def env(serve_cluster: Cluster) -> Iterator[RolloutEnv]:
     _ROLLOUT_APP.close()  # nothing left to do when the last test using it removed it
 
 
-def uses_the_session_rollout_app(item: pytest.Item) -> bool:
-    # A module may define its own ``env`` (another family's app); only this file's counts.
-    defs = item._fixtureinfo.name2fixturedefs.get("env") or ()
+def uses_session_fixture(item: pytest.Item, name: str) -> bool:
+    """Whether ``item`` uses this file's session fixture ``name``: a module may define its own
+    fixture of that name (``env``: another family's app), which does not count."""
+    defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
     return bool(defs) and defs[-1].scope == "session"
+
+
+def uses_the_session_rollout_app(item: pytest.Item) -> bool:
+    return uses_session_fixture(item, "env")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -97,13 +102,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             bool(getattr(item.module, "CHANGES_THE_SHARED_APP", False)),
         )
     )
-    users = [item for item in items if uses_the_data_plane_app(item)]
+    users = [item for item in items if uses_session_fixture(item, "cluster")]
     _LAST_RANKER_USER[:] = users[-1:]
-
-
-def uses_the_data_plane_app(item: pytest.Item) -> bool:
-    defs = item._fixtureinfo.name2fixturedefs.get("cluster") or ()
-    return bool(defs) and defs[-1].scope == "session"
 
 
 @pytest.hookimpl(wrapper=True)
