@@ -86,7 +86,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
 )
-from rollout.metrics import MetricsWindows, windows_for
+from rollout.metrics import MetricsWindows, scrape_spacing_s, windows_for
 from rollout.plan import RolloutPlan
 from rollout.reports import ReportStore, in_place_fits
 from rollout.serve_control import ServeUnreachable
@@ -159,6 +159,20 @@ def window_delay_s(configured_s: float, export_interval_s: float | None) -> floa
     return max(configured_s, worst)
 
 
+def evidence_interval_s(
+    settings: ControllerSettings, export_interval_s: float | None
+) -> float | None:
+    """How often the sequential judge adds evidence: the configured interval, else every
+    distinct snapshot of Ray's endpoints (they move once per export; scrapes are at least
+    ``scrape_spacing_s`` apart), else None (once per plan interval: a Prometheus server's
+    scrape interval is not known here)."""
+    if settings.evidence_interval_s is not None:
+        return settings.evidence_interval_s
+    if settings.prometheus_url:
+        return None
+    return scrape_spacing_s(export_interval_s) or None
+
+
 def shadow_routing(state: RolloutState) -> ShadowRouting:
     """What the router should mirror for ``state``: the plan's shadow while it is on."""
     shadow = state.plan.shadow
@@ -183,6 +197,7 @@ class RolloutEngine:
         self.settings = settings
         self.metrics_export_interval_s = metrics_export_interval_s
         self.window_delay_s = window_delay_s(settings.metrics_delay_s, metrics_export_interval_s)
+        self.evidence_interval_s = evidence_interval_s(settings, metrics_export_interval_s)
         self.registry = registry or open_registry(settings.registry_url)
         self.serve = serve or HttpServePort.for_settings(settings)
         self.windows = windows or windows_for(
@@ -558,16 +573,18 @@ class RolloutEngine:
         canary = self._pool(serve, CANARY, now, since=self._canary_reports_since)
         stable = self._pool(serve, STABLE, now)
         window = None
-        wanted = machine.next_window(state, now)
+        wanted = machine.next_window(state, now, self.evidence_interval_s)
         if wanted is not None:
             start, end = wanted
             # Only a window that starts where the weights changed waits for the metrics of the
             # old ones to arrive; the next one starts where the last judged window ended.
             delay = self.window_delay_s if machine.follows_weight_change(state, start) else 0.0
-            try:
-                window = self.windows.window_between(start + delay, end)
-            except MetricsUnavailable as exc:
-                self._error(f"metrics: {exc}")
+            # Not before the window is as long as the judge needs, the wait included.
+            if end - (start + delay) >= machine.window_length_s(state, self.evidence_interval_s):
+                try:
+                    window = self.windows.window_between(start + delay, end)
+                except MetricsUnavailable as exc:
+                    self._error(f"metrics: {exc}")
             if window is not None:
                 self.last_window = window
         return Observations(
@@ -576,6 +593,7 @@ class RolloutEngine:
             router_weights=serve.router_weights,
             router_shadow_bp=serve.router_shadow_bp,
             window=window,
+            evidence_interval_s=self.evidence_interval_s,
             in_place_fits=in_place_fits(
                 self.reports.reports_of(canary),
                 self.reports.reports_of(stable),

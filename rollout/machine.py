@@ -166,6 +166,9 @@ class Observations:
     - ``in_place_fits``: whether the memory budget allows the stable pool to hold the baseline
       and the candidate at once (None: unknown, treated as no).
     - ``router_shadow_bp``: the mirrored fraction the router applies (None: unknown).
+    - ``evidence_interval_s``: how often the metrics move (the cluster's export interval);
+      the sequential judge adds evidence at that cadence (see ``window_length_s``). None: once
+      per ``plan.interval_s``, as the threshold judge does.
     """
 
     canary: PoolView = PoolView()
@@ -175,6 +178,7 @@ class Observations:
     commands: tuple[OperatorCommand, ...] = ()
     in_place_fits: bool | None = None
     router_shadow_bp: int | None = None
+    evidence_interval_s: float | None = None
 
 
 # --------------------------------------------------------------------------- actions
@@ -270,17 +274,36 @@ def canary_replicas_for(state: RolloutState, canary_bp: int) -> int:
     return state.plan.canary_scaling.replicas_for(canary_bp / 100)
 
 
-def next_window(state: RolloutState, now: float) -> tuple[float, float] | None:
+def window_length_s(state: RolloutState, evidence_interval_s: float | None) -> float:
+    """The shortest window judged. The sequential judge's evidence stays valid however often
+    it is looked at, so it takes each metrics export as it comes (``evidence_interval_s``) and
+    acts as soon as a bound is crossed; ``plan.interval_s`` remains the window of display
+    (one verdict recorded per interval) and the threshold judge's (and the shadow gate's)
+    unit of judgement."""
+    interval = state.plan.interval_s
+    if (
+        state.plan.judge != "sequential"
+        or state.phase is Phase.SHADOWING
+        or not evidence_interval_s
+    ):
+        return interval
+    return min(interval, evidence_interval_s)
+
+
+def next_window(
+    state: RolloutState, now: float, evidence_interval_s: float | None = None
+) -> tuple[float, float] | None:
     """The window the controller should measure now, or None when none is due: it starts
     when the router began applying the current weights (in the shadow phase: mirroring), or at
-    the end of the last judged window if later, and must be at least ``interval_s`` long."""
+    the end of the last judged window if later, and must be at least ``window_length_s``
+    long."""
     live_at = _live_since(state)
     if live_at is None:
         return None
     start = live_at
     if state.last_analysis_at is not None:
         start = max(start, state.last_analysis_at)
-    if now - start < state.plan.interval_s:
+    if now - start < window_length_s(state, evidence_interval_s):
         return None
     return start, now
 
@@ -338,7 +361,9 @@ def _live_since(state: RolloutState) -> float | None:
     return state.weights_live_at
 
 
-def _is_fresh(state: RolloutState, window: WindowStats | None) -> bool:
+def _is_fresh(
+    state: RolloutState, window: WindowStats | None, evidence_interval_s: float | None
+) -> bool:
     live_at = _live_since(state)
     if window is None or live_at is None:
         return False
@@ -346,7 +371,7 @@ def _is_fresh(state: RolloutState, window: WindowStats | None) -> bool:
         return False  # part of it was measured under other weights (or without mirroring)
     if state.last_analysis_at is not None and window.start < state.last_analysis_at:
         return False  # already judged (a replay) or overlapping the last one
-    return window.duration_s >= state.plan.interval_s
+    return window.duration_s >= window_length_s(state, evidence_interval_s)
 
 
 # --------------------------------------------------------------------------- the tick
@@ -699,24 +724,34 @@ class _Tick:
     def judge_window(self) -> Verdict | None:
         s = self.s
         window = self.obs.window
-        if not _is_fresh(s, window):
+        if not _is_fresh(s, window, self.obs.evidence_interval_s):
             return None
         assert window is not None
         judged = judging.judge_window(s, window)
         verdict, s.evidence, s.shadow_evidence = judged.verdict, judged.sequential, judged.shadow
         s.last_analysis_at = window.end
-        s.verdicts.append(
-            VerdictRecord(
-                window_end=window.end,
-                step_index=s.step_index,
-                canary_bp=s.weights.canary_bp,
-                outcome=verdict.outcome,
-                reasons=verdict.reasons,
-                evidence=judged.evidence,
-            )
+        if s.display_since is None:
+            s.display_since = window.start
+        # Evidence may come at every metrics export; the record and the audit log show one
+        # verdict per plan interval, and every decision at once.
+        shown = (
+            verdict.outcome is not Outcome.INCONCLUSIVE
+            or window.end - s.display_since >= s.plan.interval_s
         )
-        del s.verdicts[:-VERDICT_HISTORY]
-        self.audit("analysis", f"{self.where()}: {verdict.summary()}")
+        if shown:
+            s.display_since = None
+            s.verdicts.append(
+                VerdictRecord(
+                    window_end=window.end,
+                    step_index=s.step_index,
+                    canary_bp=s.weights.canary_bp,
+                    outcome=verdict.outcome,
+                    reasons=verdict.reasons,
+                    evidence=judged.evidence,
+                )
+            )
+            del s.verdicts[:-VERDICT_HISTORY]
+            self.audit("analysis", f"{self.where()}: {verdict.summary()}")
         if s.evidence is not None and not s.evidence.mismatch_alerted:
             mismatch = next((c for c in verdict.checks if c.name == SAMPLE_RATIO), None)
             if mismatch is not None:
@@ -725,7 +760,7 @@ class _Tick:
                 self.emit(Alert("warning", f"rollout {s.rollout_id}: {mismatch.reason}"))
         if verdict.outcome is Outcome.PASS:
             s.failed_checks = 0
-        elif verdict.outcome is Outcome.INCONCLUSIVE:
+        elif verdict.outcome is Outcome.INCONCLUSIVE and shown:
             s.inconclusive_windows += 1
         elif verdict.outcome is Outcome.FAIL:
             s.failed_checks += 1

@@ -97,8 +97,11 @@ _UNRECORDED_ODDS: Final = {
 # the processes restarted at each later step (see the module docstring).
 ROLLOUT_SHARE: Final = 0.5
 # How far the stable reference quantile is moved for each side, in binomial standard errors
-# of its rank (see _stable_reference).
+# of its rank (see _stable_reference), and how many of stable's requests at a step it takes
+# before the relative latency check judges the canary's (z standard errors of the p99's rank
+# are then at most 0.63%; see _p99_vs_stable).
 REFERENCE_Z: Final = 2.0
+REFERENCE_MIN_REQUESTS: Final = 1000
 # Bounds are kept inside (0, 1) so a zero floor or a cohort with no share stays finite.
 _EPS: Final = 1e-9
 
@@ -308,6 +311,19 @@ class SequentialEvidence:
     # The plan's steps after the first (0: no per-step restarts), and the step judged last.
     later_steps: int = 0
     step: int = 0
+    # Requests each cohort served at the current step (the sanity floor ``min_requests``),
+    # and stable's latency histogram over it, +Inf aside (``stable_total``): the reference of
+    # the relative latency check (see _stable_reference). Both restart at each step, where
+    # the load on stable changes with the weights.
+    step_requests: dict[str, float] = field(default_factory=dict)
+    stable_buckets: dict[float, float] = field(default_factory=dict)
+    stable_total: float = 0.0
+    # The step's canary latencies the relative check has not judged yet (+Inf aside, and the
+    # diverted requests, which have none): held until stable's histogram can place its p99
+    # (``REFERENCE_MIN_REQUESTS``), then judged as one batch (see _p99_vs_stable).
+    pending_buckets: dict[float, float] = field(default_factory=dict)
+    pending_total: float = 0.0
+    pending_diverted: float = 0.0
 
     def check(self, name: str) -> CheckEvidence:
         if name not in self.checks:
@@ -316,9 +332,50 @@ class SequentialEvidence:
         return self.checks[name]
 
     def enter_step(self, index: int) -> None:
+        if index > self.step or not self.windows:
+            self.step_requests = {}
+            self.stable_buckets, self.stable_total = {}, 0.0
+            # Canary latencies held for a reference of the step before: never judged (what
+            # is left out costs only evidence, never validity).
+            self.pending_buckets, self.pending_total, self.pending_diverted = {}, 0.0, 0.0
         self.step = max(self.step, index)
         for check in self.checks.values():
             check.enter_step(index)
+
+    def count_step(self, canary: CohortStats, stable: CohortStats) -> None:
+        """Add a window's requests and stable's latencies to the current step's."""
+        for name, stats in (("canary", canary), ("stable", stable)):
+            self.step_requests[name] = self.step_requests.get(name, 0.0) + stats.requests
+        self.stable_buckets, self.stable_total = _summed(
+            self.stable_buckets, self.stable_total, stable.latency_buckets
+        )
+
+    def hold_canary(self, canary: CohortStats) -> None:
+        """Keep a window's canary latencies for the relative check's next batch."""
+        self.pending_buckets, self.pending_total = _summed(
+            self.pending_buckets, self.pending_total, canary.latency_buckets
+        )
+        self.pending_diverted += canary.errors.get("diverted", 0)
+
+    def release_canary(self) -> CohortStats | None:
+        """The held canary latencies as one cohort's stats (None: nothing held), and forget
+        them."""
+        if self.pending_total <= 0 and self.pending_diverted <= 0:
+            return None
+        buckets = {**self.pending_buckets, math.inf: self.pending_total}
+        held = CohortStats(
+            round(self.pending_total),
+            {"diverted": round(self.pending_diverted)} if self.pending_diverted else {},
+            latency_buckets=buckets if self.pending_total > 0 else {},
+        )
+        self.pending_buckets, self.pending_total, self.pending_diverted = {}, 0.0, 0.0
+        return held
+
+    def stable_histogram(self) -> dict[float, float]:
+        """Stable's cumulative latency histogram over the current step (+Inf included)."""
+        if self.stable_total <= 0:
+            return {}
+        return {**self.stable_buckets, math.inf: self.stable_total}
 
     @property
     def e_mismatch(self) -> float:
@@ -329,6 +386,21 @@ class SequentialEvidence:
 
 
 # --------------------------------------------------------------------------- histograms
+
+
+def _summed(
+    finite: dict[float, float], total: float, buckets: Mapping[float, float]
+) -> tuple[dict[float, float], float]:
+    """A cumulative histogram kept as its finite bounds and its total, plus ``buckets``
+    (+Inf included). Only the bounds both hold are kept: a bound that one router lacks would
+    read as requests slower than it."""
+    added = buckets.get(math.inf, 0.0)
+    if added <= 0:
+        return finite, total
+    new = {b: c for b, c in buckets.items() if not math.isinf(b)}
+    if total > 0:
+        new = {b: c + finite[b] for b, c in new.items() if b in finite}
+    return new, total + added
 
 
 def _finite_bounds(buckets: Mapping[float, float]) -> list[float]:
@@ -368,23 +440,50 @@ def _latency_trials(canary: CohortStats, certainly: int, possibly: int) -> tuple
     return trials, min(certainly, trials), min(possibly + diverted, trials)
 
 
-def _stable_reference(stable: CohortStats, side: int) -> float | None:
-    """Stable's p99 from its histogram, moved ``REFERENCE_Z`` standard errors of its rank up
-    (``side`` +1, for the evidence against the canary) or down (-1, for it). Stable's p99 is
-    itself measured; moving it to the cautious side of its uncertainty keeps each side's limit
-    on its conservative side in all but a few percent of windows (a one-sided normal bound
-    of the rank: about 2.3% at z = 2), and then by a fraction of a bucket."""
-    n = stable.requests
-    if n <= 0 or not stable.latency_buckets:
+def _stable_reference(buckets: Mapping[float, float], side: int) -> float | None:
+    """Stable's p99 from its histogram over the step so far, moved ``REFERENCE_Z`` standard
+    errors of its rank up (``side`` +1, for the evidence against the canary) or down (-1, for
+    it). Stable's p99 is itself measured; moving it to the cautious side of its uncertainty
+    keeps each side's limit on its conservative side but for a few percent of the time (a
+    one-sided normal bound of the rank: about 2.3% at z = 2), and then by a fraction of a
+    bucket. The histogram is the step's, not the window's: evidence is added at every metrics
+    export, and a few seconds of stable traffic would put the reference for the canary at
+    stable's p97 or lower (z standard errors of a rank over 200 requests are 1.4%), where every
+    canary request above it counts as possibly too slow and no evidence for the canary can
+    grow. Over the step the rank's error shrinks as stable's requests accumulate."""
+    n = buckets.get(math.inf, 0.0)
+    if n <= 0:
         return None
-    spread = REFERENCE_Z * math.sqrt((1 - TAIL) * TAIL / n)
-    q = min(1.0, max(0.5, 1 - TAIL + side * spread))
-    return quantile_from_buckets(q, stable.latency_buckets)
+    return quantile_from_buckets(reference_rank(n, side), buckets)
+
+
+def reference_rank(requests: float, side: int) -> float:
+    """The quantile of stable's latencies read as its p99 for one side (see
+    _stable_reference), over ``requests`` of stable's."""
+    spread = REFERENCE_Z * math.sqrt((1 - TAIL) * TAIL / requests)
+    return min(1.0, max(0.5, 1 - TAIL + side * spread))
 
 
 def _limit_from(reference_ms: float, checks: AnalysisChecks) -> float:
     assert checks.p99_max_ratio is not None
     return max(checks.p99_max_ratio * reference_ms, reference_ms + checks.p99_slack_ms)
+
+
+def limit_for_canary(
+    stable_buckets: Mapping[float, float],
+    checks: AnalysisChecks,
+    *,
+    side: int,
+    stable_requests: float | None = None,
+) -> float | None:
+    """The relative latency check's limit from stable's histogram: for the evidence against
+    the canary (``side`` +1) or for it (-1), as placed after ``stable_requests`` of stable's
+    (default: the histogram's own count). None: no stable latencies."""
+    n = stable_requests or stable_buckets.get(math.inf, 0.0)
+    if n <= 0:
+        return None
+    reference = quantile_from_buckets(reference_rank(n, side), stable_buckets)
+    return None if reference is None else _limit_from(reference, checks)
 
 
 # --------------------------------------------------------------------------- the judge
@@ -558,13 +657,29 @@ def _p99_vs_stable(
     min_requests: int,
     levels: JudgeLevels,
 ) -> CheckResult:
+    """The canary's requests slower than ``ratio x`` stable's p99, against the 1% a p99
+    allows. Stable's p99 is read from its histogram over the step (see _stable_reference);
+    until that holds ``REFERENCE_MIN_REQUESTS`` (or ``min_requests``, if more) the canary's
+    latencies are held, then judged as one batch against it, and every later window against
+    the reference of its time. Judging held requests late is valid: the limit is drawn from
+    stable's requests alone, which say nothing about the canary's, so given the limit the
+    held counts are as likely under the null as if judged at once; and each request is
+    judged once. Judged at once against a reference of a few hundred requests, they would
+    meet a limit set two standard errors low (stable's p97 or below), where a healthy
+    canary's ordinary tail counts as possibly too slow, and the evidence for it, once lost,
+    does not come back."""
     check = ev.check(P99_VS_STABLE)
-    if canary.latency_buckets and stable.requests >= min_requests:
-        high, low = _stable_reference(stable, +1), _stable_reference(stable, -1)
+    reference = ev.stable_histogram()
+    if canary.latency_buckets or canary.errors.get("diverted"):
+        ev.hold_canary(canary)
+    mature = reference.get(math.inf, 0.0) >= max(min_requests, REFERENCE_MIN_REQUESTS)
+    held = ev.release_canary() if mature else None
+    if held is not None:
+        high, low = _stable_reference(reference, +1), _stable_reference(reference, -1)
         if high is not None and low is not None:
-            certainly, _ = slower_than(canary.latency_buckets, _limit_from(high, checks))
-            _, possibly = slower_than(canary.latency_buckets, _limit_from(low, checks))
-            trials, certainly, possibly = _latency_trials(canary, certainly, possibly)
+            certainly, _ = slower_than(held.latency_buckets, _limit_from(high, checks))
+            _, possibly = slower_than(held.latency_buckets, _limit_from(low, checks))
+            trials, certainly, possibly = _latency_trials(held, certainly, possibly)
             check.update_against(0, certainly, trials, TAIL)
             check.supporting[0].update(possibly, trials, TAIL)
             check.add("slower", certainly)
@@ -648,9 +763,16 @@ def judge_sequential(
     verdict.
 
     FAIL when any check's evidence against the canary crossed its bound (at once: no
-    consecutive-window counter). Else INCONCLUSIVE when the sample-ratio guard tripped, or the
-    window is under ``min_requests`` (the sanity floor: evidence still counts, but a step
-    does not pass on a window that thin), or a check is undecided. Else PASS."""
+    consecutive-window counter). Else INCONCLUSIVE when the sample-ratio guard tripped, or a
+    cohort has served fewer than ``min_requests`` at this step (the sanity floor: evidence
+    still counts, but a step does not pass on that few), or a check is undecided. Else PASS.
+
+    A window may be as short as one metrics export: the evidence is valid however often it is
+    looked at, so the controller adds each export as it arrives and acts as soon as a bound
+    is crossed. What the cadence costs is latency, not validity: a decision waits for the
+    export that carries its last request (Ray's report interval, 10 s by default, plus the
+    router's 0.25 s flush). What the latency buckets cost is the requests that fall in the
+    bucket holding a limit (see ``slower_than``)."""
     if evidence is not None:
         ev = evidence.copy()
     else:
@@ -662,6 +784,7 @@ def judge_sequential(
     levels = JudgeLevels(alpha=plan.alpha, beta=plan.beta, checks=enabled_checks(checks))
     canary = window.canary or CohortStats(0)
     stable = window.stable or CohortStats(0)
+    ev.count_step(canary, stable)
 
     results: list[CheckResult] = []
     if checks.success_rate_min is not None:
@@ -689,13 +812,12 @@ def judge_sequential(
     mismatch = _sample_ratio(ev, window, canary_bp, plan.sample_ratio_tolerance, plan.alpha)
     if mismatch is not None:
         return Verdict(Outcome.INCONCLUSIVE, (mismatch, *results)), ev
+    served = ev.step_requests
     thin = [
-        f"{name} served {stats.requests} requests in this window, {plan.min_requests} needed"
-        for name, stats, needed in (
-            ("canary", canary, True),
-            ("stable", stable, relative),
-        )
-        if needed and stats.requests < plan.min_requests
+        f"{name} served {served.get(name, 0.0):.0f} requests at this step, "
+        f"{plan.min_requests} needed"
+        for name, needed in (("canary", True), ("stable", relative))
+        if needed and served.get(name, 0.0) < plan.min_requests
     ]
     if thin:
         floor = CheckResult(SAMPLE_SIZE, Outcome.INCONCLUSIVE, "; ".join(thin))
@@ -708,6 +830,7 @@ def judge_sequential(
 __all__ = [
     "AGAINST_ODDS",
     "FOR_ODDS",
+    "REFERENCE_MIN_REQUESTS",
     "ROLLOUT_SHARE",
     "SAMPLE_RATIO",
     "TAIL",
@@ -716,5 +839,6 @@ __all__ = [
     "SequentialEvidence",
     "enabled_checks",
     "judge_sequential",
+    "limit_for_canary",
     "slower_than",
 ]

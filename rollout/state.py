@@ -30,8 +30,10 @@ from rollout.shadow_judge import ShadowEvidence
 
 # 2 added the sequential judge's evidence; a version 1 state (none yet) is read as having none.
 # 3 added the shadow phase; a version 2 state (a plan without one) has no shadow fields.
-STATE_SCHEMA_VERSION: Final = 3
-READABLE_SCHEMA_VERSIONS: Final = (1, 2, 3)
+# 4 added evidence at every metrics export: the window being shown (``display_since``) and the
+# step's own counts in the sequential evidence; a version 3 state has none yet.
+STATE_SCHEMA_VERSION: Final = 4
+READABLE_SCHEMA_VERSIONS: Final = (1, 2, 3, 4)
 # E-values as records keep them: finite, so they stay valid JSON (PostgreSQL's jsonb refuses
 # Infinity); any value this large is far past every bound.
 EVIDENCE_CAP: Final = 1e15
@@ -130,7 +132,10 @@ class RolloutState:
       rollout set (``canary_replicas`` None: the pool was never scaled by it), so a restarted
       controller knows what it already asked for.
     - ``failed_checks`` counts *consecutive* failed windows; a passing window resets it.
-      ``inconclusive_windows`` counts the current step's inconclusive windows.
+      ``inconclusive_windows`` counts the current step's inconclusive windows (windows of
+      display: the sequential judge may judge every metrics export, a verdict is recorded
+      once per ``plan.interval_s``; ``display_since`` is where the window being shown began,
+      None when the last judged window was recorded).
     - ``step_entered_at`` starts the progress deadline of a step; a resume restarts it.
     - ``finished`` turns True when ``Finish`` has been emitted: the canary pool has been
       cleaned up after the router confirmed stable 100%. A terminal phase that is not yet
@@ -172,6 +177,7 @@ class RolloutState:
     phase_entered_at: float = 0.0
     step_entered_at: float | None = None
     last_analysis_at: float | None = None
+    display_since: float | None = None
     verdicts: list[VerdictRecord] = field(default_factory=list)
     reason: str | None = None
     pending_gate: str | None = None

@@ -115,4 +115,9 @@ class ControllerSettings(Contract):
     # Empty: discover every node's metrics endpoint through Ray.
     metrics_endpoints: Annotated[tuple[Uri, ...], Field(max_length=10_000)] = ()
     prometheus_url: Uri | None = None  # set: use PromQL instead of scraping
+    # How often the sequential judge adds evidence (it acts as soon as a bound is crossed).
+    # None: at every metrics export when the controller scrapes Ray's endpoints (their values
+    # move once per report interval), else once per plan interval; with ``prometheus_url``,
+    # Prometheus' scrape interval or a multiple of it (a shorter range holds no increase).
+    evidence_interval_s: Annotated[float, Field(gt=0, le=600)] | None = None
     actor: Name = "rollout-controller"  # who the audit log says moved a target

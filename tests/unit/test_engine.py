@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from app.contracts import CommandAccepted, ReplicaPhase
+from app.contracts import CommandAccepted, ControllerSettings, ReplicaPhase
 from app.errors import InvalidState, RegistryUnavailable
 from app.registry import Registry
 from rollout.analysis import CohortStats, WindowStats
+from rollout.engine import evidence_interval_s
 from rollout.machine import Abort
 from rollout.plan import RolloutPlan
 from rollout.serve_control import ServeControl, ServeUnreachable
@@ -294,6 +295,55 @@ def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registr
     configured, fast, slow = first_starts
     assert fast == pytest.approx(configured + 0.45)  # 0.25 + 1.2 x 1 s beats the configured 1 s
     assert slow == pytest.approx(configured + 11.25)  # 12.25 s instead of 1 s
+
+
+def test_the_sequential_judge_takes_every_export_and_shows_one_verdict_per_interval(
+    registry: Registry,
+) -> None:
+    """Exports every 2 s: the engine asks for a window per distinct scrape (0.9 x 2 s), the
+    judge adds each to its evidence, and the rollout records a verdict once per plan
+    interval."""
+    world = World(registry, export_interval_s=2.0)
+    assert world.engine.evidence_interval_s == pytest.approx(1.8)
+    world.windows.stats = lambda start, end: WindowStats(
+        start, end, canary=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
+        stable=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
+    )  # fmt: skip
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "judge": "sequential"})
+    world.replicas_report()
+    world.engine.start_rollout(V42, plan)
+    for _ in range(400):
+        world.tick()
+        if len(world.engine.live.state.verdicts) >= 2:
+            break
+    state = world.engine.live.state
+    lengths = [end - start for start, end in world.windows.asked]
+    assert min(lengths) >= 1.8 and min(lengths) < plan.interval_s
+    assert state.evidence is not None and state.evidence.windows > 2 * len(state.verdicts)
+    first, second = state.verdicts[:2]
+    assert second.window_end - first.window_end >= plan.interval_s
+
+
+@pytest.mark.parametrize(
+    ("configured", "prometheus", "export", "expected"),
+    [
+        (None, None, 10.0, 9.0),  # every distinct scrape of Ray's endpoints
+        (None, None, None, None),  # the export interval unknown: once per plan interval
+        (None, "http://prometheus:9090", 10.0, None),  # Prometheus' own cadence is not known
+        (30.0, "http://prometheus:9090", 10.0, 30.0),  # ... unless configured
+        (4.0, None, 10.0, 4.0),
+    ],
+)
+def test_the_evidence_interval_follows_the_metrics_source(
+    configured: float | None, prometheus: str | None, export: float | None, expected
+) -> None:
+    settings = ControllerSettings(
+        registry_url="sqlite:///x",
+        dashboard_url="http://h",
+        prometheus_url=prometheus,
+        evidence_interval_s=configured,
+    )
+    assert evidence_interval_s(settings, export) == expected
 
 
 def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -> None:

@@ -17,7 +17,7 @@ import pytest
 from app.contracts import ReplicaPhase
 from app.errors import ConfigError
 from app.telemetry import LATENCY_BOUNDARIES_MS
-from rollout import sequential
+from rollout import machine, sequential
 from rollout.analysis import (
     ERROR_RATE_VS_STABLE,
     P99_VS_STABLE,
@@ -97,6 +97,23 @@ def test_at_the_bound_the_evidence_crosses_1_over_alpha_at_most_alpha_of_the_tim
     # The worst case of each null is its boundary: the rate exactly at the bound, every window.
     rate = crossing_rate(1.0, 0.01, above=above, level=0.05, seed=1 if above else 2)
     assert rate <= 0.05 + _slack(0.05), rate
+
+
+@pytest.mark.parametrize("above", [True, False])
+def test_looked_at_every_export_the_evidence_still_crosses_at_most_level_of_the_time(above):
+    """The controller adds evidence at every metrics export, a few requests at a time, and
+    acts the moment a bound is crossed: 1000 streams of 300 exports of 10 requests, exactly
+    at the bound, each looked at after every export."""
+    rng = np.random.default_rng(11 if above else 12)
+    bound, level, crossed = 0.02, 0.05, 0
+    for _ in range(1000):
+        evidence = RateEvidence(above=above)
+        for hits in rng.binomial(10, bound, size=300):
+            evidence.update(int(hits), 10, bound)
+            if evidence.e_value >= 1 / level:
+                crossed += 1
+                break
+    assert crossed / 1000 <= level + 3 * math.sqrt(level * (1 - level) / 1000), crossed
 
 
 def test_inside_the_null_the_evidence_against_hardly_ever_crosses():
@@ -313,10 +330,10 @@ def test_the_inputs_of_the_judge_are_left_as_they_were():
 
 def test_the_stable_reference_moves_to_each_sides_cautious_side():
     rng = np.random.default_rng(2)
-    stable = CohortStats(2000, latency_buckets=histogram(rng.lognormal(3.5, 0.5, 2000)))
-    against, supporting = _stable_reference(stable, +1), _stable_reference(stable, -1)
+    buckets = histogram(rng.lognormal(3.5, 0.5, 2000))
+    against, supporting = _stable_reference(buckets, +1), _stable_reference(buckets, -1)
     assert against is not None and supporting is not None
-    middle = quantile_from_buckets(0.99, stable.latency_buckets)
+    middle = quantile_from_buckets(0.99, buckets)
     assert supporting < middle < against
 
 
@@ -345,35 +362,30 @@ def test_a_cohort_without_traffic_adds_no_evidence_and_never_fails():
     assert "canary served 0 requests" in verdict.summary()
 
 
-def test_a_window_under_min_requests_counts_but_cannot_pass_a_step():
-    plan = RolloutPlan(min_requests=100)
+def test_a_step_cannot_pass_before_each_cohort_served_min_requests_at_it():
+    """The sanity floor counts a step's requests, not a window's: evidence arrives at every
+    metrics export, in windows of a few seconds each, and the floor restarts at each step."""
+    plan = RolloutPlan(min_requests=3000)
     rng = np.random.default_rng(7)
-    evidence = None
-    for _ in range(20):  # plenty of good evidence
-        _, evidence = judge_sequential(
+
+    def judged(evidence, step):
+        return judge_sequential(
             window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)),
             evidence,
             plan,
             canary_bp=5000,
-            step_index=0,
+            step_index=step,
         )
-    thin, _ = judge_sequential(
-        window(cohort(rng, 50, 0.0), cohort(rng, 1000, 0.0)),
-        evidence,
-        plan,
-        canary_bp=5000,
-        step_index=0,
-    )
-    assert thin.outcome is Outcome.INCONCLUSIVE
-    assert "canary served 50 requests in this window, 100 needed" in thin.summary()
-    full, _ = judge_sequential(
-        window(cohort(rng, 1000, 0.0), cohort(rng, 1000, 0.0)),
-        evidence,
-        plan,
-        canary_bp=5000,
-        step_index=0,
-    )
-    assert full.outcome is Outcome.PASS, full.summary()
+
+    verdict, evidence = judged(None, 0)
+    verdict, evidence = judged(evidence, 0)
+    assert verdict.outcome is Outcome.INCONCLUSIVE
+    assert "canary served 2000 requests at this step, 3000 needed" in verdict.summary()
+    verdict, evidence = judged(evidence, 0)
+    assert verdict.outcome is Outcome.PASS, verdict.summary()
+    verdict, evidence = judged(evidence, 1)
+    assert verdict.outcome is Outcome.INCONCLUSIVE
+    assert "canary served 1000 requests at this step, 3000 needed" in verdict.summary()
 
 
 def latency_stream(scale: float, windows: int = 10, canary_n: int = 600, stable_n: int = 3000):
@@ -545,9 +557,12 @@ def ready() -> PoolView:
 class Run:
     """A rollout driven tick by tick with windows drawn from ``make_window(rng, canary_bp)``."""
 
-    def __init__(self, make_window, seed: int = 0) -> None:
+    def __init__(
+        self, make_window, seed: int = 0, export_s: float | None = None, plan: RolloutPlan = PLAN
+    ) -> None:
+        self.export_s = export_s
         self.state = RolloutState.new(
-            PLAN,
+            plan,
             rollout_id="r1",
             model="ranker",
             candidate_artifact_id=V42,
@@ -566,19 +581,25 @@ class Run:
     def tick(self, win: WindowStats | None):
         self.now += 1.0
         obs = Observations(
-            canary=ready(), router_weights=self.state.weights, window=win, in_place_fits=False
+            canary=ready(),
+            router_weights=self.state.weights,
+            window=win,
+            in_place_fits=False,
+            evidence_interval_s=self.export_s,
         )
         self.state, actions = advance(self.state, obs, self.now)
         self.actions += actions
         return actions
 
     def window(self):
+        """One window of ``export_s`` (an export) or else of the plan's interval."""
+        length = self.export_s or self.state.plan.interval_s
         start = max(self.state.weights_live_at or 0.0, self.state.last_analysis_at or 0.0)
-        self.now = start + PLAN.interval_s
+        self.now = start + length
         canary, stable = self.make_window(self.rng, self.state.weights.canary_bp)
         self.windows += 1
         self.now -= 1.0
-        return self.tick(WindowStats(start, start + PLAN.interval_s, canary, stable))
+        return self.tick(WindowStats(start, start + length, canary, stable))
 
     def until_decided(self, limit: int = 60) -> None:
         while not self.state.phase.is_terminal and self.state.phase is not Phase.PROMOTING:
@@ -618,6 +639,53 @@ def test_evidence_carries_across_steps_so_later_steps_pass_in_one_window():
     by_step = [v.step_index for v in run.state.verdicts]
     assert by_step.count(1) == 1 and by_step.count(2) == 1  # step 1 took the time it needed
     assert run.state.evidence is not None and run.state.evidence.windows == len(by_step)
+
+
+def test_evidence_at_every_export_rolls_back_without_waiting_for_the_interval():
+    run = Run(traffic(canary_error_rate=0.2, rate=200), export_s=2.0)
+    live_at = run.state.weights_live_at or 0.0
+    run.window()
+    assert run.state.phase is Phase.ROLLED_BACK and run.windows == 1
+    assert run.state.last_analysis_at == live_at + 2.0  # not live_at + interval_s (60)
+    assert [v.outcome for v in run.state.verdicts] == [Outcome.FAIL]
+
+
+def test_exports_between_decisions_show_one_verdict_per_interval():
+    # 2 s exports of 20 requests at 5% (one canary request each): far from any decision.
+    run = Run(traffic(canary_error_rate=0.001, rate=20), export_s=2.0)
+    for _ in range(29):
+        run.window()
+    assert run.state.evidence is not None and run.state.evidence.windows == 29
+    assert run.state.verdicts == [] and run.state.inconclusive_windows == 0
+    run.window()  # the 30th export closes the first 60 s window of display
+    assert [v.outcome for v in run.state.verdicts] == [Outcome.INCONCLUSIVE]
+    assert run.state.inconclusive_windows == 1 and run.state.display_since is None
+    assert run.state.evidence.windows == 30
+
+
+def test_a_healthy_canary_is_promoted_at_the_first_export_whose_evidence_suffices():
+    # No errors anywhere, 100 req/s: the evidence grows with the requests alone. Judged once
+    # a minute, each step waits for its minute to end; judged per export, it passes as soon
+    # as its requests suffice.
+    by_interval = Run(traffic(canary_error_rate=0.0, stable_error_rate=0.0, rate=6000), seed=5)
+    by_interval.until_decided()
+    by_export = Run(
+        traffic(canary_error_rate=0.0, stable_error_rate=0.0, rate=200), seed=5, export_s=2.0
+    )
+    by_export.until_decided(limit=3000)
+    assert by_interval.state.phase is by_export.state.phase is Phase.PROMOTING
+    assert by_export.now < by_interval.now - 60, (by_export.now, by_interval.now)
+    assert [v.outcome for v in by_export.state.verdicts][-3:] == [Outcome.PASS] * 3
+
+
+def test_the_threshold_judge_keeps_its_windows_whatever_the_export_interval():
+    plan = RolloutPlan.model_validate({**PLAN.model_dump(), "judge": "threshold"})
+    run = Run(traffic(canary_error_rate=0.2, rate=200), export_s=2.0, plan=plan)
+    live_at = run.state.weights_live_at or 0.0
+    run.window()  # 2 s: shorter than the threshold judge's window, not judged
+    assert run.state.last_analysis_at is None and run.state.phase is Phase.PROGRESSING
+    assert machine.next_window(run.state, live_at + 59, 2.0) is None
+    assert machine.next_window(run.state, live_at + 60, 2.0) == (live_at, live_at + 60)
 
 
 def test_a_restarted_controller_judges_the_next_window_exactly_as_before():

@@ -1,13 +1,16 @@
 """The persisted rollout state, checked against stored samples of what the registry holds.
 
-``tests/unit/data/rollout_state_*.json`` are states as the controller wrote them (version 3:
+``tests/unit/data/rollout_state_*.json`` are states as the controller wrote them (version 4:
 a fresh rollout with a shadow plan, one mid-rollout past its shadow phase with sequential and
-shadow evidence and verdicts, saved with its event log, and one rolled back and finished), and
-states as older controllers wrote them (version 2: no shadow phase, evidence saved before its
-alternatives and per-step restarts were recorded; version 1: no sequential judge). They were
-written, and ``rollout_state_expected.json`` (what reading each gives, spelt out by
-``describe``) computed, by the code that serialized the state field by field before the state
-was read and written through a pydantic TypeAdapter: every later reader must read them alike.
+shadow evidence, the step's own counts and verdicts, saved with its event log, and one rolled
+back and finished), and states as older controllers wrote them (version 3: before evidence at
+every metrics export, no window of display nor step counts; version 2: no shadow phase,
+evidence saved before its alternatives and per-step restarts were recorded; version 1: no
+sequential judge). The version 1-3 samples were written, and ``rollout_state_expected.json``
+(what reading each gives, spelt out by ``describe``) computed, by the code that serialized the
+state field by field before the state was read and written through a pydantic TypeAdapter;
+the version 4 ones are the version 3 ones read and written again, the mid-rollout one given a
+window of display and step counts: every later reader must read them alike.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ DATA = Path(__file__).parent / "data"
 EXPECTED = json.loads((DATA / "rollout_state_expected.json").read_text())
 CURRENT = ("fresh", "mid_rollout", "finished")
 SAMPLES = {
+    "v4_fresh": "rollout_state_v4_fresh.json",
+    "v4_mid_rollout": "rollout_record_state_v4_mid_rollout.json",
+    "v4_finished": "rollout_state_v4_finished.json",
     "v3_fresh": "rollout_state_v3_fresh.json",
     "v3_mid_rollout": "rollout_record_state_v3_mid_rollout.json",
     "v3_finished": "rollout_state_v3_finished.json",
@@ -85,12 +91,12 @@ def test_a_read_state_is_written_and_read_back_unchanged(sample: str) -> None:
 
 @pytest.mark.parametrize("name", CURRENT)
 def test_a_current_state_is_written_back_as_it_was_stored(name: str) -> None:
-    stored = machine_state(f"v3_{name}")
+    stored = machine_state(f"v4_{name}")
     assert json.loads(json.dumps(RolloutState.from_dict(stored).to_dict())) == stored
 
 
 def test_the_mid_rollout_record_resumes_with_its_events() -> None:
-    saved = json.loads((DATA / SAMPLES["v3_mid_rollout"]).read_text())
+    saved = json.loads((DATA / SAMPLES["v4_mid_rollout"]).read_text())
     now = datetime(2026, 1, 1, tzinfo=UTC)
     state = RolloutState.from_dict(saved["machine"])
     record = RolloutRecord(
@@ -112,7 +118,7 @@ def test_the_mid_rollout_record_resumes_with_its_events() -> None:
         finished_at=None,
     )
     live = LiveRollout.from_record(record)
-    assert describe(live.state) == EXPECTED["v3_mid_rollout"]
+    assert describe(live.state) == EXPECTED["v4_mid_rollout"]
     assert [e.model_dump(mode="json", exclude_unset=True) for e in live.events] == saved["events"]
     assert live.known == saved["known"] and live.version == 7
 
@@ -147,7 +153,7 @@ def test_an_infinite_e_value_is_written_as_the_json_writer_is_given_it() -> None
     assert again.evidence is not None and again.evidence.checks[name].ended_in_steps[0] == math.inf
 
 
-@pytest.mark.parametrize("version", [0, 4, None])
+@pytest.mark.parametrize("version", [0, 5, None])
 def test_a_state_of_an_unknown_schema_version_is_refused(version: int | None) -> None:
     stored = dict(machine_state("v3_finished"))
     if version is None:
