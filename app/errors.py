@@ -13,6 +13,7 @@ The tree (base classes of the standard library in parentheses), each with when i
     ├── ArtifactRejected              an artifact failed verification, load or dry run
     ├── FetchFailed                   the artifact store could not be read: retry
     ├── ConfigError                   a configuration or plan the code cannot use (names it)
+    │   └── PlanDoesNotFit            a step no healthy canary passes within its deadline
     ├── RegistryError                 the model registry refused an operation
     │   ├── NotFound                  no such model, artifact, target or rollout
     │   │   └── ControllerNotRunning  the cluster has no rollout controller
@@ -114,6 +115,10 @@ class FetchFailed(RolloutSystemError):
 
 class ConfigError(RolloutSystemError):
     category = "config"
+
+
+class PlanDoesNotFit(ConfigError):
+    pass
 
 
 class RegistryError(RolloutSystemError):

@@ -56,9 +56,10 @@ sys.path.insert(0, str(ROOT))
 
 from app.telemetry import LATENCY_BOUNDARIES_MS  # noqa: E402
 from rollout.analysis import CohortStats, Outcome, WindowStats, judge, quantile_from_buckets  # noqa: E402
-from rollout.estimate import Traffic, estimate, scaled_deadline_s  # noqa: E402
+from rollout.estimate import Traffic  # noqa: E402
 from rollout.plan import RolloutPlan  # noqa: E402
 from rollout.sequential import judge_sequential  # noqa: E402
+from rollout.start_estimate import TRAFFIC_LOOKBACK_S, MeasuredTraffic, plan_for_start  # noqa: E402
 
 if TYPE_CHECKING:
     from judge_floor import Floor
@@ -299,14 +300,15 @@ def stream(
 
 
 def plans_for(recording: Recording, export_s: float) -> dict[str, RolloutPlan]:
-    """Both judges' plans at a recording's rate: the default plan, the bench's hypotheses,
-    and the deadline the start-time estimate gives a plan that leaves it to the estimate."""
+    """Both judges' plans at a recording's rate: the default plan with the bench's hypotheses,
+    started as ``rollout start`` starts it (rollout.start_estimate): its deadline left to the
+    estimate made from five minutes of the recording's traffic."""
     base = RolloutPlan()
     checks = {**base.checks.model_dump(), **HYPOTHESES}
     plan = RolloutPlan.model_validate({**base.model_dump(), "checks": checks})
-    found = estimate(plan, recording.traffic(), per_step_overhead_s=export_s)
-    deadline = scaled_deadline_s(found, base.progress_deadline_s)
-    assert deadline is not None, f"no healthy canary passes at {recording.rate:g} req/s"
+    measured = MeasuredTraffic(recording.traffic(), TRAFFIC_LOOKBACK_S)
+    started, _ = plan_for_start(plan, measured, per_step_overhead_s=export_s, force=False)
+    deadline = started.progress_deadline_s
     return {
         name: RolloutPlan.model_validate(
             {**plan.model_dump(), "judge": name, "progress_deadline_s": deadline}

@@ -204,10 +204,17 @@ class RolloutController:
         )
 
     def start_rollout(
-        self, candidate_artifact_id: str, plan: Mapping[str, Any], actor: str = "operator"
+        self,
+        candidate_artifact_id: str,
+        plan: Mapping[str, Any],
+        actor: str = "operator",
+        force: bool = False,
     ) -> dict[str, Any]:
         summary = self.engine.start_rollout(
-            candidate_artifact_id, RolloutPlan.model_validate(dict(plan)), actor=actor
+            candidate_artifact_id,
+            RolloutPlan.model_validate(dict(plan)),
+            actor=actor,
+            force=force,
         )
         return wire(summary)
 

@@ -372,7 +372,7 @@ def estimate(
                 checks=tuple(found),
             )
         )
-    return PlanEstimate(traffic, tuple(steps), plan.progress_deadline_s)
+    return PlanEstimate(traffic, tuple(steps), plan.deadline_s)
 
 
 __all__ = [

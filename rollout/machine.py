@@ -430,7 +430,7 @@ class _Tick:
             self.s.shadow_live_at = self.now
 
     def overdue(self, since: float | None) -> bool:
-        return since is not None and self.now - since > self.s.plan.progress_deadline_s
+        return since is not None and self.now - since > self.s.plan.deadline_s
 
     def where(self) -> str:
         if self.s.step_index < 0:
@@ -586,7 +586,7 @@ class _Tick:
             self.withdraw(
                 Phase.FAILED,
                 f"canary not ready within the progress deadline "
-                f"({s.plan.progress_deadline_s:g}s): {ready} of {s.canary_replicas} replicas "
+                f"({s.plan.deadline_s:g}s): {ready} of {s.canary_replicas} replicas "
                 f"serve {s.candidate_artifact_id}",
             )
 
@@ -637,7 +637,7 @@ class _Tick:
             self.withdraw(
                 Phase.ROLLED_BACK,
                 f"shadow comparison not conclusive within the progress deadline "
-                f"({s.plan.progress_deadline_s:g}s): {seen}; router "
+                f"({s.plan.deadline_s:g}s): {seen}; router "
                 f"{'confirmed' if s.shadow_live_at is not None else 'not confirmed'} mirroring",
             )
 
@@ -686,7 +686,7 @@ class _Tick:
             self.withdraw(
                 Phase.ROLLED_BACK,
                 f"no progress at {self.where()} within the progress deadline "
-                f"({s.plan.progress_deadline_s:g}s): {s.inconclusive_windows} inconclusive "
+                f"({s.plan.deadline_s:g}s): {s.inconclusive_windows} inconclusive "
                 f"windows, {s.failed_checks} failed checks, "
                 f"router {'confirmed' if s.weights_live_at is not None else 'not confirmed'} "
                 f"{s.weights.describe()}",
@@ -848,7 +848,7 @@ class _Tick:
             self.withdraw(
                 Phase.FAILED,
                 f"promotion ({s.promotion_strategy}) not complete within the progress deadline "
-                f"({s.plan.progress_deadline_s:g}s): "
+                f"({s.plan.deadline_s:g}s): "
                 f"{self.obs.stable.ready_on(s.candidate_artifact_id)} stable replicas serve "
                 f"{s.candidate_artifact_id}; {s.weights.describe()}",
             )

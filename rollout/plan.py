@@ -225,6 +225,10 @@ class RolloutPlan(BaseModel):
       window resets the count.
     - ``progress_deadline_s``: longest time a phase or step may wait for progress (replicas
       ready, a conclusive passing window, promotion complete); past it the rollout is withdrawn.
+      Left out (None), the sequential judge's start-time estimate sets it: the time by which
+      99% of healthy canaries pass the slowest step at the traffic measured before the start
+      (rollout/estimate.py), never under 600 s (``deadline_s``). A plan that sets it is held to
+      it: ``rollout start`` refuses it when a step does not fit (``--force`` starts it anyway).
     - ``shadow``: a shadow phase before the first step (``ShadowPlan``); None: none.
     - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
       traffic, then traffic returns to stable) or ``in_place`` (stable hot-swaps while serving;
@@ -248,7 +252,7 @@ class RolloutPlan(BaseModel):
     min_requests: int = Field(default=DEFAULT_MIN_REQUESTS, ge=1)
     checks: AnalysisChecks = Field(default_factory=AnalysisChecks)
     threshold: int = Field(default=DEFAULT_THRESHOLD, ge=1)
-    progress_deadline_s: float = Field(default=DEFAULT_PROGRESS_DEADLINE_S, gt=0.0)
+    progress_deadline_s: float | None = Field(default=None, gt=0.0)
     promotion: PromotionStrategy = "shift"
     head_swap: HeadSwap = "prefer"
     gates: Gates = Field(default_factory=Gates)
@@ -280,12 +284,21 @@ class RolloutPlan(BaseModel):
                 )
         # A deadline shorter than two windows would withdraw a healthy canary whose first
         # window straddled a weight change.
-        if self.progress_deadline_s < 2 * self.interval_s:
+        if self.progress_deadline_s is not None and self.progress_deadline_s < 2 * self.interval_s:
             raise ValueError(
                 f"progress_deadline_s: {self.progress_deadline_s} must be at least twice "
                 f"interval_s ({self.interval_s})"
             )
         return self
+
+    @property
+    def deadline_s(self) -> float:
+        """The progress deadline: the plan's, or, where it leaves it to the estimate and none
+        was made (no traffic measured, the threshold judge), the default (at least two
+        windows)."""
+        if self.progress_deadline_s is not None:
+            return self.progress_deadline_s
+        return max(DEFAULT_PROGRESS_DEADLINE_S, 2 * self.interval_s)
 
     def step_bp(self, index: int) -> int:
         return percent_to_bp(self.steps[index])

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Final
 
 from pydantic import ConfigDict, computed_field, model_validator
 
-from app.contracts import BASIS_POINTS
+from app.contracts import BASIS_POINTS, PlanEstimateView
 from app.contracts import RolloutPhase as Phase
 from rollout.analysis import Outcome
 from rollout.persisted import read, written
@@ -31,7 +31,8 @@ from rollout.shadow_judge import ShadowEvidence
 # 2 added the sequential judge's evidence; a version 1 state (none yet) is read as having none.
 # 3 added the shadow phase; a version 2 state (a plan without one) has no shadow fields.
 # 4 added evidence at every metrics export: the window being shown (``display_since``) and the
-# step's own counts in the sequential evidence; a version 3 state has none yet.
+# step's own counts in the sequential evidence, and the start-time estimate; a version 3 state
+# has none of them.
 STATE_SCHEMA_VERSION: Final = 4
 READABLE_SCHEMA_VERSIONS: Final = (1, 2, 3, 4)
 # E-values as records keep them: finite, so they stay valid JSON (PostgreSQL's jsonb refuses
@@ -153,6 +154,8 @@ class RolloutState:
       fraction taken back after Serve's config was changed behind the controller's back (a
       re-applied old config: the canary pool may be reloading), to be set again once every
       canary replica reports the candidate ready (None: nothing withdrawn).
+    - ``estimate``: what the start-time estimate said (None: none was made), shown by status
+      beside the step's progress.
     """
 
     # A stored state with a field this code does not know is refused, not half read.
@@ -191,6 +194,7 @@ class RolloutState:
     shadow_evidence: ShadowEvidence | None = None
     withdrawn_canary_bp: int | None = None
     withdrawn_shadow_bp: int | None = None
+    estimate: PlanEstimateView | None = None
 
     @classmethod
     def new(

@@ -32,6 +32,7 @@ from app.contracts import (
 )
 from rollout.analysis import CohortStats, WindowStats
 from rollout.state import RolloutState
+from rollout.step_progress import step_progress
 
 SHOWN_EVENTS: Final = 10  # of a rollout's events, the latest this many
 SHOWN_NOTES: Final = 10  # alerts and errors
@@ -53,7 +54,9 @@ def rollout_summary(
     *,
     held_since: float | None = None,
     held_reason: str | None = None,
+    now: float | None = None,
 ) -> RolloutSummary:
+    """``now`` (the controller's clock): the current step's progress is shown with it."""
     if state is None:
         return RolloutSummary(rollout=None)
     return RolloutSummary(
@@ -84,6 +87,8 @@ def rollout_summary(
             for v in state.verdicts
         ),
         events=tuple(events[-SHOWN_EVENTS:]),
+        estimate=state.estimate,
+        progress=None if now is None else step_progress(state, now),
     )
 
 

@@ -146,6 +146,60 @@ class ShadowView(Contract):
         )
 
 
+class StepEstimateView(Contract):
+    """What one step will take at the traffic measured before the start (the sequential
+    judge; rollout/estimate.py): a healthy canary passes it in about ``pass_s`` (the median)
+    and 99% of them within ``pass_late_s``; a regression of twice a check's bound is caught in
+    about ``catch_s``. None: not at this traffic."""
+
+    index: Annotated[int, Field(ge=0, le=BASIS_POINTS)]
+    percent: Annotated[float, Field(gt=0, le=100)]
+    canary_rps: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    pass_s: Seconds | None = None
+    pass_late_s: Seconds | None = None
+    limiting: Text  # what sets pass_s: a check, or a sanity floor
+    catch_s: Seconds | None = None
+    fits: bool  # pass_late_s within the progress deadline
+
+
+class PlanEstimateView(Contract):
+    """The start-time estimate of a rollout, kept with it: the traffic it was made from (the
+    last ``measured_s`` seconds before the start), each step's times, the progress deadline
+    the rollout runs with and where it came from (``deadline_source``: ``plan``, or
+    ``estimate`` for a plan that leaves it to the estimate), and whether an operator started
+    it against the estimate (``forced``)."""
+
+    rps: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    stable_error_rate: Probability
+    measured_s: Seconds
+    steps: Annotated[tuple[StepEstimateView, ...], Field(max_length=BASIS_POINTS)] = ()
+    deadline_s: Seconds
+    deadline_source: Literal["plan", "estimate"]
+    forced: bool = False
+
+
+class CheckProgressView(Contract):
+    """One check at the current step: how far its evidence has gone toward passing the
+    canary (``toward_pass``: ln e-value for / ln of its bound, 0-1) and toward failing it."""
+
+    check: Name
+    toward_pass: Probability
+    toward_fail: Probability
+
+
+class StepProgressView(Contract):
+    """The current step's way to its decision: the checks' progress, the canary requests
+    it still needs for its sanity floor, and the time left at the current rate (None: not
+    known yet: no evidence grows so far, or no traffic)."""
+
+    index: Annotated[int, Field(ge=0, le=BASIS_POINTS)]
+    checks: Annotated[tuple[CheckProgressView, ...], Field(max_length=32)] = ()
+    canary_requests: Annotated[int, Field(ge=0)] = 0
+    min_requests: Annotated[int, Field(ge=0)] = 0
+    canary_rps: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    time_left_s: Seconds | None = None
+
+
 class RolloutSummary(Contract):
     """The rollout the controller drives; ``rollout`` None (and nothing else) when none."""
 
@@ -167,6 +221,8 @@ class RolloutSummary(Contract):
     shadow: ShadowView | None = None
     verdicts: tuple[VerdictView, ...] = ()
     events: tuple[RolloutEvent, ...] = ()
+    estimate: PlanEstimateView | None = None
+    progress: StepProgressView | None = None
 
 
 class CommandAccepted(RolloutSummary):

@@ -248,12 +248,19 @@ def controller_stop(
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Rollout plan YAML (default: configs/rollout.yaml's defaults).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Start even where the estimate says a step does not fit its progress deadline at "
+    "the traffic measured now (exit 6 without it).",
+)
 @actor_option
 @_cluster_options
 def start_command(
     model: str,
     artifact_id: str,
     plan_file: Path | None,
+    force: bool,
     actor: str,
     address: str | None,
     db_url: str | None,
@@ -262,7 +269,8 @@ def start_command(
     as_json: bool,
 ) -> None:
     """Roll ARTIFACT_ID of MODEL out: canary, weighted steps, analysis, promotion (creates the
-    controller if the cluster has none)."""
+    controller if the cluster has none). Prints what each step will take at the traffic of
+    the last minutes; refuses (exit 6) a plan whose step does not fit its deadline."""
     from rollout.plan import RolloutPlan, load_plan
 
     plan = load_plan(plan_file) if plan_file else RolloutPlan()
@@ -271,7 +279,7 @@ def start_command(
     if settings.model != model:
         raise ConfigError(f"MODEL: this cluster's controller manages {settings.model!r}")
     summary = _call(
-        handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor,
+        handle.start_rollout, artifact_id, plan.model_dump(mode="json"), actor, force,
         timeout_s=timeout_s,
     )  # fmt: skip
     _show(summary, as_json, RolloutSummary)

@@ -116,6 +116,55 @@ def trust_disagreement(rows: Sequence[ReplicaRow]) -> list[str]:
     return lines
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
+
+
+def estimate_lines(view: RolloutSummary) -> list[str]:
+    """The start's estimate, and the current step's way to its decision."""
+    lines = []
+    found = view.estimate
+    if found is not None:
+        lines.append(
+            f"estimate at {found.rps:g} req/s (measured over {found.measured_s:.0f}s, stable "
+            f"errors {found.stable_error_rate:.2%}): progress deadline "
+            f"{_duration(found.deadline_s)} (from the {found.deadline_source})"
+            + ("; started with --force against it" if found.forced else "")
+        )
+        for step in found.steps:
+            mark = "" if step.fits else "  DOES NOT FIT"
+            lines.append(
+                f"  step {step.index + 1}/{len(found.steps)} ({step.percent:g}%): passes in "
+                f"~{_duration(step.pass_s)} (99% within {_duration(step.pass_late_s)}; "
+                f"{step.limiting}), catches 2x a bound in ~{_duration(step.catch_s)}{mark}"
+            )
+    progress = view.progress
+    if progress is not None:
+        parts = [f"{c.check} {c.toward_pass:.0%}" for c in progress.checks]
+        floor = (
+            f"; {progress.canary_requests}/{progress.min_requests} canary requests"
+            if progress.canary_requests < progress.min_requests
+            else ""
+        )
+        left = (
+            f"; about {_duration(progress.time_left_s)} left at "
+            f"{progress.canary_rps:g} canary req/s"
+            if progress.time_left_s is not None and progress.canary_rps
+            else ""
+        )
+        lines.append(
+            f"step {progress.index + 1} toward passing: " + (", ".join(parts) or "no evidence yet")
+            + floor + left
+        )  # fmt: skip
+    return lines
+
+
 def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
     """The human view of ``rollout status`` (and of a command's answer: a summary alone).
 
@@ -156,6 +205,7 @@ def render_status(view: RolloutSummary, *, now: float | None = None) -> str:
                 parts.append(f"{name} {c.rps}/s err {err} p99 {p99}")
         span = window.end - window.start
         lines.append(f"last window ({span:.0f}s): " + (" | ".join(parts) or "no traffic"))
+    lines.extend(estimate_lines(view))
     if view.shadow is not None:
         lines.append(view.shadow.describe())
     for verdict in view.verdicts:

@@ -272,4 +272,26 @@ def test_operator_commands_in_process_and_by_the_binary_record_who_and_why(
         "resume by bob: looked fine",
         "abort by dave: enough for today",
     ], messages
+
+    # A plan no healthy canary can pass at this traffic within its deadline (1% of about 30
+    # requests a second, a few hundred needed, 10 s allowed): refused before anything moves,
+    # with the step, the estimate and two changes that fit. The controller has measured the
+    # traffic of this test (it scrapes every tick of a rollout, every 15 s between them).
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(
+        yaml.safe_dump(
+            {**FAST_PLAN, "judge": "sequential", "steps": [1, 100], "progress_deadline_s": 10}
+        )
+    )
+    refused = binary("start", "ranker", CANDIDATE, "--plan", str(tight))
+    assert refused.returncode == 6, (refused.returncode, refused.stdout, refused.stderr)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error[")]
+    assert len(errors) == 1, refused.stderr  # one line, whatever Ray logged before it
+    assert errors[0].startswith(
+        "error[config]: plan: step 1/2 (1%): a healthy canary passes in about"
+    ), errors
+    for said in ("req/s measured over the last", "Changes that fit: a step of", "--force"):
+        assert said in errors[0], errors
+    done = binary("history", "--db", env.settings.registry_url, "--json", "--limit", "1")
+    assert json.loads(done.stdout.splitlines()[0])["id"] == started["rollout"]  # none created
     assert not failed(run.stop())

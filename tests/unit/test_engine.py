@@ -189,7 +189,7 @@ def test_the_views_keep_their_json_keys(registry: Registry) -> None:
     summary_keys = {
         "rollout", "model", "candidate", "baseline", "phase", "finished", "step",
         "step_percent", "steps", "weights", "failed_checks", "reason", "pending_gate", "held",
-        "shadow", "verdicts", "events",
+        "shadow", "verdicts", "events", "estimate", "progress",
     }  # fmt: skip
     assert set(started) == summary_keys
     accepted = engine.command(Abort(reason="test"), actor="dave", reason="test")
@@ -287,6 +287,7 @@ def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registr
         world = World(registry, export_interval_s=export_interval_s)
         world.replicas_report()
         world.engine.start_rollout(V42, plan)
+        world.windows.asked.clear()  # the traffic measured for the start's estimate
         while not world.windows.asked:
             world.tick()
         first_starts.append(world.windows.asked[0][0])
@@ -312,6 +313,7 @@ def test_the_sequential_judge_takes_every_export_and_shows_one_verdict_per_inter
     plan = RolloutPlan.model_validate({**PLAN.model_dump(), "judge": "sequential"})
     world.replicas_report()
     world.engine.start_rollout(V42, plan)
+    world.windows.asked.clear()  # the traffic measured for the start's estimate
     for _ in range(400):
         world.tick()
         if len(world.engine.live.state.verdicts) >= 2:
@@ -358,6 +360,7 @@ def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -
     )  # fmt: skip
     world.replicas_report()
     world.engine.start_rollout(V42, PLAN)
+    world.windows.asked.clear()  # the traffic measured for the start's estimate
     for _ in range(200):
         world.tick()
         if len(world.engine.live.state.verdicts) >= 2:

@@ -79,6 +79,9 @@ PURE_MODULES = (
     "rollout.judging",
     "rollout.analysis",
     "rollout.sequential",
+    "rollout.estimate",
+    "rollout.start_estimate",
+    "rollout.step_progress",
     "rollout.shadow_judge",
     "rollout.serve_config",
 )

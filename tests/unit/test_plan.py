@@ -19,7 +19,7 @@ def test_defaults() -> None:
     plan = RolloutPlan()
     assert plan.steps == (5, 25, 50, 100)
     assert (plan.interval_s, plan.min_requests, plan.threshold) == (60, 100, 3)
-    assert plan.progress_deadline_s == 600
+    assert plan.progress_deadline_s is None and plan.deadline_s == 600  # from the estimate
     assert plan.promotion == "shift"
     assert plan.checks.error_rate_max_ratio == 3.0 and plan.checks.p99_max_ratio == 1.5
     assert plan.checks.error_rate_floor == 0.01
@@ -71,7 +71,7 @@ def test_canary_replicas_follow_the_weight() -> None:
         ({"interval_s": 0}, "interval_s", "greater than 0"),
         ({"min_requests": 0}, "min_requests", "greater than or equal to 1"),
         ({"threshold": 0}, "threshold", "greater than or equal to 1"),
-        ({"interval_s": 400}, "progress_deadline_s", "at least twice interval_s"),
+        ({"interval_s": 400, "progress_deadline_s": 600}, "progress_deadline_s", "at least twice"),
         ({"promotion": "yolo"}, "promotion", "'shift' or 'in_place'"),
         ({"checks": {"success_rate_min": 1.5}}, "checks.success_rate_min", "less than"),
         ({"checks": {"p99_max_ms": -1}}, "checks.p99_max_ms", "greater than 0"),
