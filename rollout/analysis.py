@@ -87,6 +87,16 @@ class ShadowStats(DivergenceSums):
 
 
 @dataclass(frozen=True)
+class CustomSample:
+    """A custom check's reading over a window, per cohort: counts (``events`` out of
+    ``trials``) or a level (``value``); a cohort the query had no data for is absent."""
+
+    events: Mapping[str, int] = field(default_factory=dict)
+    trials: Mapping[str, int] = field(default_factory=dict)
+    value: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class WindowStats:
     """Both cohorts over the same window ``[start, end)`` (seconds, the controller's clock).
     A cohort is None when the metrics source has no series for it at all. ``shadow`` holds
@@ -99,6 +109,7 @@ class WindowStats:
     stable: CohortStats | None
     shadow: Mapping[str, ShadowStats] = field(default_factory=dict)
     shadow_outcomes: Mapping[str, int] = field(default_factory=dict)
+    custom: Mapping[str, CustomSample] = field(default_factory=dict)  # by check name
 
     def shadow_of(self, artifact_id: str) -> ShadowStats | None:
         """The candidate's comparisons with the window's dropped and unanswered copies (None:
@@ -126,6 +137,7 @@ class CheckResult:
     reason: str
     evidence_against: float | None = None
     evidence_for: float | None = None
+    advisory: bool = False  # shown, never deciding (a custom check with advisory: true)
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,7 @@ class Verdict:
         """The reasons that decided the outcome (every check's on a pass)."""
         if self.outcome is Outcome.PASS:
             return tuple(c.reason for c in self.checks)
-        return tuple(c.reason for c in self.checks if c.outcome is self.outcome)
+        return tuple(c.reason for c in self.checks if c.outcome is self.outcome and not c.advisory)
 
     def summary(self) -> str:
         return f"{self.outcome.value}: " + "; ".join(self.reasons)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app import telemetry as t
-from rollout.sequential import SAMPLE_RATIO, enabled_checks
+from rollout.sequential import SAMPLE_RATIO, judged_checks
 from rollout.state import RolloutState, capped
 
 TAG_KEYS = (t.MODEL, t.CHECK, t.SIDE)
@@ -77,7 +77,7 @@ def evidence_values(state: RolloutState) -> dict[tuple[str, str, str], tuple[flo
     if state.evidence is None:
         return out
     plan = state.plan
-    fail_at = enabled_checks(plan.checks) / plan.alpha
+    fail_at = judged_checks(plan) / plan.alpha
     for name, check in state.evidence.checks.items():
         out[(state.model, name, "against")] = (check.e_against, fail_at)
         out[(state.model, name, "for")] = (check.e_for, 1 / plan.beta)

@@ -70,6 +70,7 @@ from app.errors import (
 from app.registry import Registry, TargetRecord, open_registry
 from rollout import machine
 from rollout.analysis import WindowStats
+from rollout.custom_checks import CustomCheckReader
 from rollout.live import LiveRollout, weights_dict
 from rollout.machine import (
     Abort,
@@ -86,7 +87,7 @@ from rollout.machine import (
     SetStableTarget,
     SetWeights,
 )
-from rollout.metrics import MetricsWindows, scrape_spacing_s, windows_for
+from rollout.metrics import MetricsWindows, PromQLSource, scrape_spacing_s, windows_for
 from rollout.plan import RolloutPlan
 from rollout.reports import ReportStore, in_place_fits
 from rollout.serve_control import ServeUnreachable
@@ -204,9 +205,12 @@ class RolloutEngine:
         windows: MetricsWindows | None = None,
         clock: Callable[[], float] = time.time,
         metrics_export_interval_s: float | None = None,
+        custom_checks: CustomCheckReader | None = None,
     ) -> None:
         """``metrics_export_interval_s``: Ray's metrics report interval in this cluster, which
-        windows must wait out after a weight change (None: only the configured delay)."""
+        windows must wait out after a weight change (None: only the configured delay).
+        ``custom_checks``: where plans' custom checks are read (default: the settings'
+        Prometheus server; None without one: such plans are refused)."""
         self.settings = settings
         self.metrics_export_interval_s = metrics_export_interval_s
         self.window_delay_s = window_delay_s(settings.metrics_delay_s, metrics_export_interval_s)
@@ -220,6 +224,12 @@ class RolloutEngine:
             clock=clock,
             export_interval_s=metrics_export_interval_s,
         )
+        if custom_checks is None and settings.prometheus_url:
+            custom_checks = CustomCheckReader(
+                PromQLSource(settings.prometheus_url, application=settings.app_name),
+                app=settings.app_name,
+            )
+        self.custom_checks = custom_checks
         self.clock = clock
         self.targets = TargetBook(
             self.registry, model=settings.model, environment=settings.environment
@@ -379,6 +389,11 @@ class RolloutEngine:
             if candidate_artifact_id == baseline.artifact_id:
                 raise InvalidState(
                     f"{candidate_artifact_id} is already the stable target: nothing to roll out"
+                )
+            if plan.custom_checks and self.custom_checks is None:
+                raise ConfigError(
+                    "custom_checks: read from a Prometheus server, and this controller has "
+                    "none (start it with a prometheus_url)"
                 )
             if plan.canary_scaling.idle_replicas == 0:
                 canary = self.serve.read().canary
@@ -638,6 +653,8 @@ class RolloutEngine:
                     window = self.windows.window_between(start + delay, end)
                 except MetricsUnavailable as exc:
                     self._error(f"metrics: {exc}")
+                if window is not None and state.plan.custom_checks:
+                    window = self._with_custom_checks(state, window)
             if window is not None:
                 self.last_window = window
         return Observations(
@@ -653,6 +670,18 @@ class RolloutEngine:
                 state.candidate_artifact_id,
             ),
         )
+
+    def _with_custom_checks(self, state: RolloutState, window: WindowStats) -> WindowStats:
+        """``window`` with the plan's custom checks read over it (unread, they hold the step:
+        a counts check gains no evidence, a level check has no value)."""
+        if self.custom_checks is None:
+            return window
+        try:
+            read = self.custom_checks.read(state.plan.custom_checks, window.start, window.end)
+        except MetricsUnavailable as exc:
+            self._error(f"custom checks: {exc}")
+            return window
+        return dataclasses.replace(window, custom=read)
 
     def _pool(
         self, serve: ServeState, cohort: Cohort, now: float, since: float | None = None

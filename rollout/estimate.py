@@ -6,18 +6,20 @@ canary requests, and so how many seconds, the judge needs
 
 - to pass a healthy canary: one that behaves as stable does now (its error rate, its
   latencies), which is what an A/A rollout is: the typical time (the median) and the time
-  by which 99% of healthy canaries pass;
+  by which 99.5% of healthy canaries pass;
 - to catch a regression of the size the plan states: a canary whose rate is twice what a
   check allows (twice the error bound, twice the 1% a p99 bound allows beyond its limit).
 
 The arithmetic is the judge's own (rollout.sequential): each check's evidence is the same
 mixture of likelihood ratios over the same alternatives, fed with requests drawn at the
-healthy (or regressed) rates, in 400 seeded runs per check; the estimate is the median of the
+healthy (or regressed) rates, in 600 seeded runs per check; the estimate is the median of the
 canary requests at which the evidence first reaches its level (``1 / beta`` to pass; ``checks
 / alpha`` to fail, twice that while only the first step is judged: the whole-rollout process
-holds half of the evidence against), and the 99th percentile is what a progress deadline must
-cover. A healthy canary's evidence counts rare events (an error, a request near a latency
-limit), so the spread is wide: most rollouts pass well before the mean, a few much later.
+holds half of the evidence against), and the 99.5th percentile is what a progress deadline
+must cover (a little beyond 99%: the checks' times are not independent of each other, and a
+step passes only once all of them are in). A healthy canary's evidence counts rare events (an
+error, a request near a latency limit), so the spread is wide: most rollouts pass well before
+the mean, a few much later.
 Wald's approximation, ``ln level / g`` with ``g`` the expected log likelihood ratio of one
 request, sizes each run. Checks are run one by one (the judge passes a step when all are
 in at once: the slowest check's times are the step's).
@@ -43,7 +45,7 @@ from rollout.sequential import (
     REFERENCE_MIN_REQUESTS,
     ROLLOUT_SHARE,
     TAIL,
-    enabled_checks,
+    judged_checks,
     limit_for_canary,
     slower_than,
 )
@@ -52,8 +54,9 @@ from rollout.sequential import (
 # its check allows.
 REGRESSION_FACTOR = 2.0
 # The share of healthy canaries a progress deadline must let pass (see ``scaled_deadline_s``
-# and ``PlanEstimate.too_slow``).
-PASS_QUANTILE = 0.99
+# and ``PlanEstimate.too_slow``): 99%, with a margin for the step needing every check at once
+# (the benchmark's A/A rollouts at the 99th percentile's deadline: 99.0-99.3% promoted).
+PASS_QUANTILE = 0.995
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class StepEstimate:
     index: int
     percent: float
     canary_per_s: float
-    # A healthy canary passes the step in about this long (the median), and 99% of them
+    # A healthy canary passes the step in about this long (the median), and 99.5% of them
     # within ``seconds_to_pass_late``; None: it cannot pass at this traffic.
     seconds_to_pass: float | None
     seconds_to_pass_late: float | None
@@ -136,7 +139,7 @@ def scaled_deadline_s(found: PlanEstimate, at_least_s: float) -> float | None:
 
 # --------------------------------------------------------------------------- first passage
 
-RUNS = 400  # seeded runs per check (the 99th percentile is the 4th latest)
+RUNS = 600  # seeded runs per check (the 99.5th percentile is the 3rd latest)
 BATCHES = 400  # batches of requests per run
 _SEED = 20261207
 
@@ -317,7 +320,7 @@ def estimate(
     checks = plan.checks
     pass_at = 1 / plan.beta
     share_against = ROLLOUT_SHARE if len(plan.steps) > 1 else 1.0
-    fail_at = enabled_checks(checks) / plan.alpha / share_against
+    fail_at = judged_checks(plan) / plan.alpha / share_against
     buckets = traffic.latency_buckets
     steps = []
     for index, percent in enumerate(plan.steps):

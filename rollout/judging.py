@@ -15,8 +15,8 @@ from rollout.sequential import (
     SAMPLE_RATIO,
     JudgeLevels,
     SequentialEvidence,
-    enabled_checks,
     judge_sequential,
+    judged_checks,
 )
 from rollout.shadow_judge import ShadowEvidence, judge_shadow
 from rollout.state import EvidenceRecord, Phase, RolloutState, capped
@@ -63,7 +63,7 @@ def judge_window(state: RolloutState, window: WindowStats) -> Judged:
             canary_bp=state.weights.canary_bp,
             step_index=max(state.step_index, 0),
         )
-        levels = JudgeLevels(plan.alpha, plan.beta, enabled_checks(plan.checks))
+        levels = JudgeLevels(plan.alpha, plan.beta, judged_checks(plan))
         records = tuple(
             EvidenceRecord(
                 check=c.name,

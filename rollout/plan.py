@@ -159,6 +159,88 @@ class ShadowPlan(BaseModel):
         return round(self.fraction * 10_000)
 
 
+# The placeholders a custom check's query may hold: the cohort it is asked for, the Serve
+# application, and the range of the window (PromQL duration, e.g. ``5000ms``).
+QUERY_PLACEHOLDERS: Final = ("cohort", "app", "window")
+_PLACEHOLDER = re.compile(r"\{\{\s*([^}]*?)\s*\}\}")
+BUILT_IN_CHECKS: Final = (
+    "success_rate",
+    "p99_ceiling",
+    "error_rate_vs_stable",
+    "p99_vs_stable",
+    "sample_ratio",
+    "sample_size",
+)
+
+
+class CustomCheck(BaseModel):
+    """A check of the team's own signal (a business KPI, GPU memory, a queue's depth), read
+    from a Prometheus server with one PromQL query per cohort. Two kinds:
+
+    - counts (``events``, ``trials``, ``max_rate``): the canary's rate of events per trial
+      (failed checkouts per checkout) is at most ``max_rate``. The queries give each cohort's
+      counts over a window (``increase(...[{{window}}])``); the sequential judge decides it
+      with the same evidence as its own checks, sharing ``alpha`` with them;
+    - level (``query``, ``max`` and/or ``min``): the canary's value (GPU memory in use, a queue
+      length) at each evaluation; a gate: the step does not pass while it is out of bounds, and
+      ``failure_limit`` evaluations out of bounds in a row roll back.
+
+    ``advisory: true``: evaluated, shown and exported, never acting (neither failing nor
+    holding the canary): a new check watched before it may roll back. Queries may hold
+    ``{{cohort}}`` (``canary`` or ``stable``), ``{{app}}`` (the Serve application) and
+    ``{{window}}`` (the window's range); nothing else between double braces."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,62}$")
+    events: str | None = Field(default=None, min_length=1, max_length=4000)
+    trials: str | None = Field(default=None, min_length=1, max_length=4000)
+    max_rate: float | None = Field(default=None, gt=0.0, lt=1.0)
+    query: str | None = Field(default=None, min_length=1, max_length=4000)
+    max: float | None = None
+    min: float | None = None
+    failure_limit: int = Field(default=3, ge=1, le=100)
+    advisory: bool = False
+
+    @property
+    def counts(self) -> bool:
+        return self.events is not None
+
+    @field_validator("events", "trials", "query")
+    @classmethod
+    def _known_placeholders(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
+        for found in _PLACEHOLDER.findall(template):
+            if found not in QUERY_PLACEHOLDERS:
+                raise ValueError(
+                    f"{{{{{found}}}}} is not a placeholder: use {{{{cohort}}}}, {{{{app}}}} "
+                    "or {{window}}"
+                )
+        return template
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CustomCheck:
+        counts = (self.events, self.trials, self.max_rate)
+        level = self.query is not None or self.max is not None or self.min is not None
+        if any(v is not None for v in counts):
+            if any(v is None for v in counts) or level:
+                raise ValueError(
+                    f"{self.name}: a counts check has events, trials and max_rate (and no "
+                    "query, max or min)"
+                )
+        elif self.query is None or (self.max is None and self.min is None):
+            raise ValueError(
+                f"{self.name}: a check has events, trials and max_rate, or a query with max "
+                "and/or min"
+            )
+        if self.max is not None and self.min is not None and self.min > self.max:
+            raise ValueError(f"{self.name}: min {self.min:g} is above max {self.max:g}")
+        if self.name in BUILT_IN_CHECKS:
+            raise ValueError(f"{self.name}: the name of a built-in check")
+        return self
+
+
 class Gates(BaseModel):
     """Manual gates: the rollout pauses there until an operator resumes or promotes.
 
@@ -226,10 +308,12 @@ class RolloutPlan(BaseModel):
     - ``progress_deadline_s``: longest time a phase or step may wait for progress (replicas
       ready, a conclusive passing window, promotion complete); past it the rollout is withdrawn.
       Left out (None), the sequential judge's start-time estimate sets it: the time by which
-      99% of healthy canaries pass the slowest step at the traffic measured before the start
+      99.5% of healthy canaries pass the slowest step at the traffic measured before the start
       (rollout/estimate.py), never under 600 s (``deadline_s``). A plan that sets it is held to
       it: ``rollout start`` refuses it when a step does not fit (``--force`` starts it anyway).
     - ``shadow``: a shadow phase before the first step (``ShadowPlan``); None: none.
+    - ``custom_checks``: checks of the team's own signals from Prometheus (``CustomCheck``);
+      they need the controller's ``prometheus_url`` and the sequential judge.
     - ``promotion``: ``shift`` (canary carries 100% while stable loads the candidate with no
       traffic, then traffic returns to stable) or ``in_place`` (stable hot-swaps while serving;
       used only when the memory budget is observed to allow it, otherwise ``shift``).
@@ -258,6 +342,7 @@ class RolloutPlan(BaseModel):
     gates: Gates = Field(default_factory=Gates)
     canary_scaling: CanaryScaling = Field(default_factory=CanaryScaling)
     shadow: ShadowPlan | None = None
+    custom_checks: tuple[CustomCheck, ...] = Field(default=(), max_length=16)
 
     @field_validator("steps")
     @classmethod
@@ -277,6 +362,13 @@ class RolloutPlan(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> RolloutPlan:
         # Messages of this validator start with the field they are about; _field_of reads it.
+        names = [c.name for c in self.custom_checks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"custom_checks: names must differ ({names})")
+        if self.custom_checks and self.judge != "sequential":
+            raise ValueError(
+                "custom_checks: judged by the sequential judge only (judge: sequential)"
+            )
         for percent in self.gates.pause_before_steps:
             if percent not in self.steps:
                 raise ValueError(

@@ -18,13 +18,21 @@ from typing import Final
 from app.contracts import PlanEstimateView, StepEstimateView
 from app.errors import PlanDoesNotFit
 from rollout.analysis import WindowStats
-from rollout.estimate import PlanEstimate, StepEstimate, Traffic, estimate, scaled_deadline_s
+from rollout.estimate import (
+    PASS_QUANTILE,
+    PlanEstimate,
+    StepEstimate,
+    Traffic,
+    estimate,
+    scaled_deadline_s,
+)
 from rollout.plan import RolloutPlan
 
 # The traffic an estimate is made from: the last five minutes (the controller scrapes while
 # idle, every IDLE_OBSERVE_S), and no estimate from fewer of stable's requests than this.
 TRAFFIC_LOOKBACK_S: Final = 300.0
 MIN_TRAFFIC_REQUESTS: Final = 200
+LATE: Final = f"{PASS_QUANTILE:.1%}"  # "99.5%": the share of healthy canaries a deadline covers
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,8 @@ def describe_step(step: StepEstimate, steps: int) -> str:
         else ""
     )
     return (
-        f"{where}: a healthy canary passes in about {_duration(step.seconds_to_pass)} (99% "
-        f"within {_duration(step.seconds_to_pass_late)}; set by {step.limiting}){catch}"
+        f"{where}: a healthy canary passes in about {_duration(step.seconds_to_pass)} "
+        f"({LATE} within {_duration(step.seconds_to_pass_late)}; set by {step.limiting}){catch}"
     )
 
 
@@ -106,7 +114,7 @@ def plan_for_start(
     """The plan a rollout starts with, and its estimate (None: none was made: the threshold
     judge, or no traffic measured; the plan's deadline or the default then applies).
 
-    Raises ``PlanDoesNotFit`` (unless ``force``) when a step does not fit: 99% of healthy
+    Raises ``PlanDoesNotFit`` (unless ``force``) when a step does not fit: 99.5% of healthy
     canaries would not pass it within the plan's deadline, or none can at this traffic."""
     if plan.judge != "sequential" or measured is None:
         return plan, None
@@ -195,7 +203,7 @@ def estimate_note(estimated: PlanEstimateView | None, plan: RolloutPlan) -> str:
         return f"no estimate ({why}); progress deadline {plan.deadline_s:g} s"
     first = estimated.steps[0] if estimated.steps else None
     took = (
-        f"step 1 passes a healthy canary in about {first.pass_s:.0f} s (99% within "
+        f"step 1 passes a healthy canary in about {first.pass_s:.0f} s ({LATE} within "
         f"{first.pass_late_s:.0f} s), set by {first.limiting}; "
         if first is not None and first.pass_s is not None and first.pass_late_s is not None
         else ""

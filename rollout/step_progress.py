@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from app.contracts import CheckProgressView, StepProgressView
-from rollout.sequential import SAMPLE_RATIO, JudgeLevels, enabled_checks
+from rollout.sequential import SAMPLE_RATIO, JudgeLevels, judged_checks
 from rollout.state import Phase, RolloutState
 
 
@@ -35,7 +35,7 @@ def step_progress(state: RolloutState, now: float) -> StepProgressView | None:
         or state.step_index < 0
     ):
         return None
-    levels = JudgeLevels(plan.alpha, plan.beta, enabled_checks(plan.checks))
+    levels = JudgeLevels(plan.alpha, plan.beta, judged_checks(plan))
     evidence = state.evidence
     checks = []
     if evidence is not None:

@@ -149,7 +149,7 @@ class ShadowView(Contract):
 class StepEstimateView(Contract):
     """What one step will take at the traffic measured before the start (the sequential
     judge; rollout/estimate.py): a healthy canary passes it in about ``pass_s`` (the median)
-    and 99% of them within ``pass_late_s``; a regression of twice a check's bound is caught in
+    and 99.5% of them within ``pass_late_s``; a regression of twice a check's bound is caught in
     about ``catch_s``. None: not at this traffic."""
 
     index: Annotated[int, Field(ge=0, le=BASIS_POINTS)]

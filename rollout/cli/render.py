@@ -141,7 +141,7 @@ def estimate_lines(view: RolloutSummary) -> list[str]:
             mark = "" if step.fits else "  DOES NOT FIT"
             lines.append(
                 f"  step {step.index + 1}/{len(found.steps)} ({step.percent:g}%): passes in "
-                f"~{_duration(step.pass_s)} (99% within {_duration(step.pass_late_s)}; "
+                f"~{_duration(step.pass_s)} (99.5% within {_duration(step.pass_late_s)}; "
                 f"{step.limiting}), catches 2x a bound in ~{_duration(step.catch_s)}{mark}"
             )
     progress = view.progress

@@ -79,6 +79,8 @@ PURE_MODULES = (
     "rollout.judging",
     "rollout.analysis",
     "rollout.sequential",
+    "rollout.evidence",
+    "rollout.custom_judge",
     "rollout.estimate",
     "rollout.start_estimate",
     "rollout.step_progress",

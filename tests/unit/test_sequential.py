@@ -17,7 +17,7 @@ import pytest
 from app.contracts import ReplicaPhase
 from app.errors import ConfigError
 from app.telemetry import LATENCY_BOUNDARIES_MS
-from rollout import machine, sequential
+from rollout import evidence, machine
 from rollout.analysis import (
     ERROR_RATE_VS_STABLE,
     P99_VS_STABLE,
@@ -156,9 +156,9 @@ def test_the_alternatives_are_stored_with_the_wealth_they_index(monkeypatch):
     process = RateEvidence(above=True)
     process.update(3, 100, 0.01)
     saved = written(process)
-    assert saved["grid"] == list(sequential.AGAINST_ODDS)
+    assert saved["grid"] == list(evidence.AGAINST_ODDS)
     # A later release with other default alternatives resumes on the stored ones.
-    monkeypatch.setattr(sequential, "AGAINST_ODDS", (2.0, 4.0))
+    monkeypatch.setattr(evidence, "AGAINST_ODDS", (2.0, 4.0))
     resumed = read(RateEvidence, saved)
     assert resumed.odds == tuple(saved["grid"]) and resumed.e_value == process.e_value
     # Wealth saved before grids were stored is read against the grid it was computed over.
