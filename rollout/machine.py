@@ -22,8 +22,11 @@ Invariants:
   report the candidate ready before the router is given that weight.
 - Windows are judged only while the router is observed applying the current weights, only
   from that moment on, and never twice (a window must start at or after the end of the last
-  judged one). A window under ``min_requests`` is inconclusive: the rollout holds, and only
-  the progress deadline bounds holding.
+  judged one). The sequential judge takes a window per metrics export (``window_length_s``),
+  the threshold judge one per ``interval_s``; one verdict per ``interval_s`` is recorded, and
+  every decision. Fewer than ``min_requests`` (in the window for the threshold judge, at the
+  step for the sequential one) is inconclusive: the rollout holds, and only the progress
+  deadline bounds holding.
 - Time the controller could not act (registry or Serve out of reach) is not progress time:
   ``held`` moves the deadlines on by it; serving goes on meanwhile on verified models.
 - Threshold judge: consecutive failed windows reaching ``plan.threshold`` roll back; a passing

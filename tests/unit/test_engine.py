@@ -298,6 +298,25 @@ def test_windows_wait_out_the_clusters_metrics_export_interval(registry: Registr
     assert slow == pytest.approx(configured + 11.25)  # 12.25 s instead of 1 s
 
 
+def thin_windows(start: float, end: float) -> WindowStats:
+    """Too few requests to decide: every window is judged inconclusive."""
+    few = CohortStats(5, p50_ms=10.0, p99_ms=40.0)
+    return WindowStats(start, end, canary=few, stable=few)
+
+
+def run_to_two_verdicts(world: World, plan: RolloutPlan, *, ticks: int) -> None:
+    """Start a rollout on thin windows and tick until it has recorded two verdicts; the
+    windows asked for since the start are in ``world.windows.asked``."""
+    world.windows.stats = thin_windows
+    world.replicas_report()
+    world.engine.start_rollout(V42, plan)
+    world.windows.asked.clear()  # the traffic measured for the start's estimate
+    for _ in range(ticks):
+        world.tick()
+        if len(world.engine.live.state.verdicts) >= 2:
+            return
+
+
 def test_the_sequential_judge_takes_every_export_and_shows_one_verdict_per_interval(
     registry: Registry,
 ) -> None:
@@ -306,18 +325,8 @@ def test_the_sequential_judge_takes_every_export_and_shows_one_verdict_per_inter
     interval."""
     world = World(registry, export_interval_s=2.0)
     assert world.engine.evidence_interval_s == pytest.approx(1.8)
-    world.windows.stats = lambda start, end: WindowStats(
-        start, end, canary=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
-        stable=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
-    )  # fmt: skip
     plan = RolloutPlan.model_validate({**PLAN.model_dump(), "judge": "sequential"})
-    world.replicas_report()
-    world.engine.start_rollout(V42, plan)
-    world.windows.asked.clear()  # the traffic measured for the start's estimate
-    for _ in range(400):
-        world.tick()
-        if len(world.engine.live.state.verdicts) >= 2:
-            break
+    run_to_two_verdicts(world, plan, ticks=400)
     state = world.engine.live.state
     lengths = [end - start for start, end in world.windows.asked]
     assert min(lengths) >= 1.8 and min(lengths) < plan.interval_s
@@ -353,18 +362,7 @@ def test_only_the_first_window_after_a_weight_change_waits(registry: Registry) -
     between, so nothing of other weights can reach it, and waiting again would only lose
     data."""
     world = World(registry, export_interval_s=10.0)
-    # Too few requests to decide: every window is judged inconclusive, one after the other.
-    world.windows.stats = lambda start, end: WindowStats(
-        start, end, canary=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
-        stable=CohortStats(5, p50_ms=10.0, p99_ms=40.0),
-    )  # fmt: skip
-    world.replicas_report()
-    world.engine.start_rollout(V42, PLAN)
-    world.windows.asked.clear()  # the traffic measured for the start's estimate
-    for _ in range(200):
-        world.tick()
-        if len(world.engine.live.state.verdicts) >= 2:
-            break
+    run_to_two_verdicts(world, PLAN, ticks=200)
     first, second = world.engine.live.state.verdicts[:2]
     starts = sorted({start for start, _ in world.windows.asked})
     assert starts[1] == first.window_end  # not 13 s after it

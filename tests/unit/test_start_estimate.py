@@ -41,6 +41,15 @@ def traffic_of(rate: float, error_rate: float = 0.002):
     return stats
 
 
+def world_at(registry: Registry, rate: float | None, error_rate: float = 0.002) -> World:
+    """The engine's test world with stable's traffic at ``rate`` (None: none measured yet)
+    and its replicas reported."""
+    world = World(registry)
+    world.windows.stats = None if rate is None else traffic_of(rate, error_rate)
+    world.replicas_report()
+    return world
+
+
 def plan(**changes) -> RolloutPlan:
     return RolloutPlan.model_validate(
         {
@@ -54,9 +63,7 @@ def plan(**changes) -> RolloutPlan:
 def test_a_step_that_cannot_pass_within_the_plans_deadline_is_refused_naming_what_fits(
     registry: Registry,
 ) -> None:
-    world = World(registry)
-    world.windows.stats = traffic_of(40.0)
-    world.replicas_report()
+    world = world_at(registry, 40.0)
     with pytest.raises(PlanDoesNotFit) as refused:
         world.engine.start_rollout(V42, plan(progress_deadline_s=300))
     message = str(refused.value)
@@ -71,9 +78,7 @@ def test_a_step_that_cannot_pass_within_the_plans_deadline_is_refused_naming_wha
 
 
 def test_the_deadline_the_refusal_names_is_one_that_fits(registry: Registry) -> None:
-    world = World(registry)
-    world.windows.stats = traffic_of(40.0)
-    world.replicas_report()
+    world = world_at(registry, 40.0)
     with pytest.raises(PlanDoesNotFit) as refused:
         world.engine.start_rollout(V42, plan(progress_deadline_s=300))
     named = float(str(refused.value).split("progress_deadline_s: ")[1].split()[0])
@@ -82,9 +87,7 @@ def test_the_deadline_the_refusal_names_is_one_that_fits(registry: Registry) -> 
 
 
 def test_force_starts_it_anyway_and_says_so(registry: Registry) -> None:
-    world = World(registry)
-    world.windows.stats = traffic_of(40.0)
-    world.replicas_report()
+    world = world_at(registry, 40.0)
     summary = world.engine.start_rollout(V42, plan(progress_deadline_s=300), force=True)
     found = summary.estimate
     assert found is not None and found.forced and found.deadline_source == "plan"
@@ -97,9 +100,7 @@ def test_force_starts_it_anyway_and_says_so(registry: Registry) -> None:
 def test_a_plan_that_leaves_its_deadline_to_the_estimate_gets_one_that_fits(
     registry: Registry,
 ) -> None:
-    world = World(registry)
-    world.windows.stats = traffic_of(40.0)
-    world.replicas_report()
+    world = world_at(registry, 40.0)
     summary = world.engine.start_rollout(V42, plan())
     found = summary.estimate
     assert found is not None and found.deadline_source == "estimate" and not found.forced
@@ -118,9 +119,7 @@ def test_a_plan_that_leaves_its_deadline_to_the_estimate_gets_one_that_fits(
 def test_without_traffic_measured_the_plan_starts_on_the_default_deadline(
     registry: Registry,
 ) -> None:
-    world = World(registry)
-    world.windows.stats = None  # no two snapshots yet
-    world.replicas_report()
+    world = world_at(registry, None)  # no two snapshots yet
     summary = world.engine.start_rollout(V42, plan())
     assert summary.estimate is None
     assert world.engine.live.state.plan.deadline_s == 600
@@ -133,9 +132,7 @@ def test_a_canary_like_a_stable_outside_its_bound_is_refused_even_with_an_estima
 ) -> None:
     # Stable fails 5% of requests: a canary like it misses the 98% success rate, however long
     # the deadline.
-    world = World(registry)
-    world.windows.stats = traffic_of(100.0, error_rate=0.05)
-    world.replicas_report()
+    world = world_at(registry, 100.0, error_rate=0.05)
     with pytest.raises(PlanDoesNotFit, match="cannot promote a healthy canary here"):
         world.engine.start_rollout(V42, plan())
 
