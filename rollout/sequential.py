@@ -275,36 +275,46 @@ def _p99_vs_stable(
     levels: JudgeLevels,
 ) -> CheckResult:
     """The canary's requests slower than ``ratio x`` stable's p99, against the 1% a p99
-    allows. Stable's p99 is read from its histogram over the step (see _stable_reference);
-    until that holds ``REFERENCE_MIN_REQUESTS`` (or ``min_requests``, if more) the canary's
-    latencies are held, then judged as one batch against it, and every later window against
-    the reference of its time. Judging held requests late is valid: the limit is drawn from
+    allows. Stable's p99 is read from its histogram over the step (see _stable_reference).
+
+    The two sides read it differently. Against the canary, every window is judged at once
+    against the reference of its time, once stable has served ``min_requests`` at the step:
+    a reference from few requests is moved *up* by its uncertainty (to stable's p99.5 or
+    beyond), which only makes the evidence against the canary slower, never wrong, and a
+    gross regression is still caught in seconds. For the canary, a reference from few
+    requests is moved *down* (to stable's p97 or below), where a healthy canary's ordinary
+    tail would count as possibly too slow and the evidence for it, once lost, does not come
+    back: so the canary's latencies are held until stable's histogram holds
+    ``REFERENCE_MIN_REQUESTS`` (or ``min_requests``, if more), then judged as one batch, and
+    every later window at once. Judging held requests late is valid: the limit is drawn from
     stable's requests alone, which say nothing about the canary's, so given the limit the
-    held counts are as likely under the null as if judged at once; and each request is
-    judged once. Judged at once against a reference of a few hundred requests, they would
-    meet a limit set two standard errors low (stable's p97 or below), where a healthy
-    canary's ordinary tail counts as possibly too slow, and the evidence for it, once lost,
-    does not come back."""
+    held counts are as likely under the null as if judged at once; and each side judges each
+    request once."""
     check = ev.check(P99_VS_STABLE)
     reference = ev.stable_histogram()
+    measured = reference.get(math.inf, 0.0)
+    if canary.latency_buckets and measured >= min_requests:
+        high = _stable_reference(reference, +1)
+        if high is not None:
+            certainly, _ = slower_than(canary.latency_buckets, _limit_from(high, checks))
+            trials, certainly, _ = _latency_trials(canary, certainly, 0)
+            check.update_against(0, certainly, trials, TAIL)
+            check.add("slower", certainly)
+            check.add("requests", trials)
+            # The limit this window used against the canary: stable's p99 moved up.
+            check.counts["limit_ms"] = _limit_from(high, checks)
     if canary.latency_buckets or canary.errors.get("diverted"):
         ev.hold_canary(canary)
-    mature = reference.get(math.inf, 0.0) >= max(min_requests, REFERENCE_MIN_REQUESTS)
+    mature = measured >= max(min_requests, REFERENCE_MIN_REQUESTS)
     held = ev.release_canary() if mature else None
     if held is not None:
-        high, low = _stable_reference(reference, +1), _stable_reference(reference, -1)
-        if high is not None and low is not None:
-            certainly, _ = slower_than(held.latency_buckets, _limit_from(high, checks))
+        low = _stable_reference(reference, -1)
+        if low is not None:
             _, possibly = slower_than(held.latency_buckets, _limit_from(low, checks))
-            trials, certainly, possibly = _latency_trials(held, certainly, possibly)
-            check.update_against(0, certainly, trials, TAIL)
+            trials, _, possibly = _latency_trials(held, 0, possibly)
             check.supporting[0].update(possibly, trials, TAIL)
-            check.add("slower", certainly)
             check.add("possibly_slower", possibly)
-            check.add("requests", trials)
-            # The limits this window used: stable's p99 moved up for the evidence against
-            # the canary and down for the evidence for it (see _stable_reference).
-            check.counts["limit_ms"] = _limit_from(high, checks)
+            # The limit for the canary: stable's p99 moved down.
             check.counts["limit_for_ms"] = _limit_from(low, checks)
     limit, limit_for = check.counts.get("limit_ms"), check.counts.get("limit_for_ms")
     rule = f"max({checks.p99_max_ratio:g}x stable p99, stable p99 + {checks.p99_slack_ms:g} ms)"
@@ -321,7 +331,7 @@ def _p99_vs_stable(
     return check_result(P99_VS_STABLE, check, levels, facts)
 
 
-def _sampleratio(
+def _sample_ratio(
     ev: SequentialEvidence, window: WindowStats, canary_bp: int, tolerance: float, alpha: float
 ) -> CheckResult | None:
     """The guard: the canary's share of requests against its weight, within ``tolerance``
@@ -441,7 +451,7 @@ def judge_sequential(
     outcomes = {r.outcome for r in results if not r.advisory}
     if Outcome.FAIL in outcomes:
         return Verdict(Outcome.FAIL, tuple(results)), ev
-    mismatch = _sampleratio(ev, window, canary_bp, plan.sample_ratio_tolerance, plan.alpha)
+    mismatch = _sample_ratio(ev, window, canary_bp, plan.sample_ratio_tolerance, plan.alpha)
     if mismatch is not None:
         return Verdict(Outcome.INCONCLUSIVE, (mismatch, *results)), ev
     served = ev.step_requests

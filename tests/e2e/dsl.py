@@ -358,15 +358,28 @@ class When:
     # ---- operator verbs (the CLI's functions) ------------------------------------------
 
     def start_rollout(self, candidate: str, plan: Mapping[str, Any] | None = None) -> When:
-        """``rollout start ranker CANDIDATE --plan ...``"""
+        """``rollout start ranker CANDIDATE --plan ... --force``. The scenarios' plans are
+        about what a rollout does once it runs, and the traffic of the minutes before them is
+        an earlier scenario's (its injected faults, failovers and latency tails): the start's
+        estimate is shown, never allowed to refuse them. tests/e2e/test_rollout.py has the
+        binary's refusal."""
         s = self.s
         summary = ray.get(
-            s.env.controller.start_rollout.remote(candidate, dict(plan or FAST_PLAN), "acceptance"),
+            s.env.controller.start_rollout.remote(
+                candidate, dict(plan or FAST_PLAN), "acceptance", True
+            ),
             timeout=60,
         )
         s.rollout_id = summary["rollout"]
         s.mark("rollout started")
         s.note(f"started rollout {s.rollout_id} of {candidate}")
+        estimate = summary.get("estimate")
+        if estimate is not None:
+            first = (estimate.get("steps") or [{}])[0]
+            s.note(
+                f"estimate at {estimate['rps']} req/s: step 1 in ~{first.get('pass_s')} s "
+                f"(99.5% within {first.get('pass_late_s')} s), deadline {estimate['deadline_s']} s"
+            )
         return self
 
     def command(self, name: str, reason: str = "") -> When:

@@ -532,8 +532,11 @@ class RolloutEnv:
         return ray.get(self.controller.status.remote(), timeout=60)
 
     def start(self, candidate: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start a rollout with ``--force``: the traffic before it is an earlier test's, and
+        the start's estimate must not refuse a plan the test chose (see dsl.When)."""
         return ray.get(
-            self.controller.start_rollout.remote(candidate, plan or FAST_PLAN, "e2e"), timeout=60
+            self.controller.start_rollout.remote(candidate, plan or FAST_PLAN, "e2e", True),
+            timeout=60,
         )
 
     def command(self, name: str, reason: str = "") -> dict[str, Any]:
