@@ -18,9 +18,9 @@ from app.contracts import CANARY, STABLE
 from app.errors import MetricsUnavailable
 from rollout.analysis import CustomSample
 from rollout.metrics import PromQLSource
-from rollout.plan import CustomCheck
+from rollout.plan import QUERY_PLACEHOLDERS, CustomCheck
 
-_PLACEHOLDER = re.compile(r"\{\{\s*(cohort|app|window)\s*\}\}")
+_PLACEHOLDER = re.compile(r"\{\{\s*(" + "|".join(QUERY_PLACEHOLDERS) + r")\s*\}\}")
 
 
 def _promql_string(value: str) -> str:

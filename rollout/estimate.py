@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.contracts import PASS_QUANTILE
 from rollout.analysis import ERROR_RATE_VS_STABLE, P99_CEILING, P99_VS_STABLE, SUCCESS_RATE
 from rollout.plan import RolloutPlan
 from rollout.sequential import (
@@ -53,10 +54,6 @@ from rollout.sequential import (
 # How a regression of the stated size is drawn: a canary whose rate is this many times what
 # its check allows.
 REGRESSION_FACTOR = 2.0
-# The share of healthy canaries a progress deadline must let pass (see ``scaled_deadline_s``
-# and ``PlanEstimate.too_slow``): 99%, with a margin for the step needing every check at once
-# (the benchmark's A/A rollouts at the 99th percentile's deadline: 99.0-99.3% promoted).
-PASS_QUANTILE = 0.995
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from app.contracts import PlanEstimateView, StepEstimateView
+from app.contracts import PASS_QUANTILE, PlanEstimateView, StepEstimateView, duration_text
 from app.errors import PlanDoesNotFit
 from rollout.analysis import WindowStats
 from rollout.estimate import (
-    PASS_QUANTILE,
     PlanEstimate,
     StepEstimate,
     Traffic,
@@ -60,29 +59,19 @@ def measured_traffic(window: WindowStats | None) -> MeasuredTraffic | None:
     )
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None or math.isinf(seconds):
-        return "never"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def describe_step(step: StepEstimate, steps: int) -> str:
     """One step's estimate in words (what ``rollout start`` prints)."""
     where = f"step {step.index + 1}/{steps} ({step.percent:g}%)"
     if step.seconds_to_pass is None:
         return f"{where}: a healthy canary cannot pass at this traffic ({step.limiting})"
     catch = (
-        f"; a regression of twice a bound caught in about {_duration(step.seconds_to_catch)}"
+        f"; a regression of twice a bound caught in about {duration_text(step.seconds_to_catch)}"
         if step.seconds_to_catch is not None
         else ""
     )
     return (
-        f"{where}: a healthy canary passes in about {_duration(step.seconds_to_pass)} "
-        f"({LATE} within {_duration(step.seconds_to_pass_late)}; set by {step.limiting}){catch}"
+        f"{where}: a healthy canary passes in about {duration_text(step.seconds_to_pass)} "
+        f"({LATE} within {duration_text(step.seconds_to_pass_late)}; set by {step.limiting}){catch}"
     )
 
 

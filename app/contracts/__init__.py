@@ -61,6 +61,7 @@ from app.contracts.targets import (
     Target,
 )
 from app.contracts.views import (
+    PASS_QUANTILE,
     BreakerStateName,
     BreakerView,
     CheckProgressView,
@@ -82,6 +83,7 @@ from app.contracts.views import (
     VerdictView,
     WeightsView,
     WindowView,
+    duration_text,
 )
 from app.contracts.vocabulary import (
     BASIS_POINTS,
@@ -153,6 +155,7 @@ __all__ = [
     "MAX_TEXT",
     "MAX_TRUST_ANCHORS",
     "MAX_WALL_CLOCK",
+    "PASS_QUANTILE",
     "ROLES",
     "STABLE",
     "TERMINAL_ROLLOUT_PHASES",
@@ -229,4 +232,5 @@ __all__ = [
     "WireAnswer",
     "WireRequest",
     "clip_text",
+    "duration_text",
 ]

@@ -3,7 +3,8 @@ the hot standby as a router replica sees it (``/v1/status``, shown by ``rollout 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -144,6 +145,24 @@ class ShadowView(Contract):
             f"top-1 changed {num(top1, '.1f')}%"
             f", p99 max score diff {num(self.max_score_diff_p99, '.4f')} | gate: {self.basis}"
         )
+
+
+# The share of healthy canaries a progress deadline must let pass (``pass_late_s``: see
+# rollout/estimate.py): 99%, with a margin for the step needing every check at once (the
+# benchmark's A/A rollouts at the 99th percentile's deadline: 99.0-99.3% promoted).
+PASS_QUANTILE: Final = 0.995
+
+
+def duration_text(seconds: float | None, *, unit_gap: str = " ") -> str:
+    """A time as people read it: seconds under 90 s, minutes under 90 min, else hours
+    ("never" for None or inf); ``unit_gap`` "" gives the status view's tight "7min"."""
+    if seconds is None or math.isinf(seconds):
+        return "never"
+    if seconds < 90:
+        return f"{seconds:.0f}{unit_gap}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}{unit_gap}min"
+    return f"{seconds / 3600:.1f}{unit_gap}h"
 
 
 class StepEstimateView(Contract):

@@ -18,11 +18,13 @@ import click
 
 from app.contracts import (
     COHORTS,
+    PASS_QUANTILE,
     ControllerStatus,
     ReplicaPhase,
     ReplicaRow,
     RolloutSummary,
     StandbyView,
+    duration_text,
 )
 from app.safe_text import terminal_safe
 
@@ -117,13 +119,10 @@ def trust_disagreement(rows: Sequence[ReplicaRow]) -> list[str]:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "never"
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f}min"
-    return f"{seconds / 3600:.1f}h"
+    return duration_text(seconds, unit_gap="")
+
+
+LATE = f"{PASS_QUANTILE:.1%}"
 
 
 def estimate_lines(view: RolloutSummary) -> list[str]:
@@ -141,7 +140,7 @@ def estimate_lines(view: RolloutSummary) -> list[str]:
             mark = "" if step.fits else "  DOES NOT FIT"
             lines.append(
                 f"  step {step.index + 1}/{len(found.steps)} ({step.percent:g}%): passes in "
-                f"~{_duration(step.pass_s)} (99.5% within {_duration(step.pass_late_s)}; "
+                f"~{_duration(step.pass_s)} ({LATE} within {_duration(step.pass_late_s)}; "
                 f"{step.limiting}), catches 2x a bound in ~{_duration(step.catch_s)}{mark}"
             )
     progress = view.progress
