@@ -40,6 +40,9 @@ from rollout.cli.options import LIST_LIMIT, Seconds, actor_option, reason_option
 from rollout.cli.render import emit
 from rollout.cluster import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 
+# How soon `controller keep` looks again after it found the controller dying.
+DEAD_ACTOR_RECHECK_S: Final = 0.5
+
 
 def _cluster_options(func: Any) -> Any:
     """Options of every command that talks to the running cluster's controller."""
@@ -176,6 +179,8 @@ def controller_keep(
     import signal
     import threading
 
+    import ray
+
     from app.registry import default_registry_url
     from rollout.actor import absolute_registry_url, ensure_controller
     from rollout.cluster import connect, find_controller
@@ -202,7 +207,14 @@ def controller_keep(
         created = handle is None
         if handle is None:
             handle = ensure_controller(settings, timeout_s=timeout_s)
-        ping = ControllerPing.model_validate(_call(handle.ping, timeout_s=timeout_s))
+        try:
+            answer = _call(handle.ping, timeout_s=timeout_s)
+        except ray.exceptions.ActorDiedError:
+            # `ray.kill` returns before the name is released: a lookup in between finds the
+            # dying actor. It is gone, so look again soon rather than end the keeper.
+            stop.wait(min(every_s, DEAD_ACTOR_RECHECK_S))
+            continue
+        ping = ControllerPing.model_validate(answer)
         if created or ping.pid != seen:
             emit(
                 {
