@@ -18,10 +18,11 @@ does not import torch:
   ``meta`` device, the forward, the dry run, the memory estimate.
 
 Families are registered by import path (``AppArgs.models``: ``["app.models.ranker_mlp"]``);
-the module's ``FAMILY`` attribute is the declaration. Every family ranks: a request names
-candidates, the answer is the top ``top_n`` of them by score with the artifact's score
-bands (``app.preprocessing.LabelMapping``), so routing, mirroring and the divergence
-metrics work for any family unchanged.
+the module's ``FAMILY`` attribute is the declaration. A family declares its task
+(``app.tasks``): what its answers are for, which gives the HTTP route it is served on, the
+dry-run checks of its answers and how a candidate's answers are compared with stable's. The
+shipped families rank: a request names candidates, the answer is the top ``top_n`` of them
+by score with the artifact's score bands (``app.preprocessing.LabelMapping``).
 
 Pure module: no torch, no Ray (torch types appear only in annotations). It depends on
 ``app.contracts`` (the wire types, the default families) and the contracts never on it.
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 # them): re-exported from there, so this module depends on the contracts and never the reverse.
 from app.contracts.vocabulary import DEFAULT_FAMILIES as DEFAULT_FAMILIES
 from app.errors import ArtifactRejected, ConfigError
+from app.tasks import Task
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,6 +52,10 @@ if TYPE_CHECKING:
 # Every family that ships with the service: what offline tools (``rollout verify --load``,
 # ``rollout replay``) know without being told.
 SHIPPED_FAMILIES: Final[tuple[str, ...]] = ("app.models.ranker_mlp", "app.models.two_tower")
+# The tasks whose answers the replicas and the router carry end to end today (a loaded model's
+# forward, the answer's encoding, the mirrored comparison). A family of another task is
+# refused where it is registered, rather than failing at its first request.
+SERVED_TASKS: Final[tuple[str, ...]] = ("rank",)
 FAMILY_ATTRIBUTE: Final = "FAMILY"
 
 
@@ -214,6 +220,9 @@ class ModelFamily:
     schema: RequestSchema
     # "package.module:attribute" of the Network, imported on first use.
     network_path: str
+    # What its answers are for (``app.tasks.RANK`` ...): the route, the answer's checks, the
+    # comparison of two answers.
+    task: Task
     # The state-dict key prefixes of the family's head for given hyper-parameters (e.g.
     # ``("head.",)``): a ``head`` artifact holds exactly these tensors, a ``backbone``
     # artifact every other one. None: the family ships whole models only. A family with a
@@ -272,6 +281,12 @@ class Families:
         self.families = tuple(families)
         seen: dict[tuple[str, int], str] = {}
         for family in self.families:
+            if family.task.name not in SERVED_TASKS:
+                raise ConfigError(
+                    f"{where}: family {family.name!r} declares the task {family.task.name!r}; "
+                    f"this service serves {', '.join(SERVED_TASKS)} families",
+                    field=where,
+                )
             for spec in family.architectures:
                 key = (spec.name, spec.version)
                 if key in seen:
@@ -288,11 +303,16 @@ class Families:
 
     def schema(self, name: str | None = None) -> RequestSchema:
         """The request schema named ``name`` (None: the first family's)."""
+        return self.serving(name).schema
+
+    def serving(self, name: str | None = None) -> ModelFamily:
+        """The family whose request schema is named ``name`` (None: the first family): the
+        one an application serving that schema answers for, on its task's route."""
         if name is None:
-            return self.families[0].schema
+            return self.families[0]
         for family in self.families:
             if family.schema.name == name:
-                return family.schema
+                return family
         known = sorted({f.schema.name for f in self.families})
         raise ConfigError(
             f"feature_schema: {name!r} is no registered family's schema (known: {known})",

@@ -31,6 +31,7 @@ from app.contracts import (
 )
 from app.errors import InjectedFault, RequestInvalid
 from app.replica import RankerReplica
+from app.tasks.rank import RANK_ROUTE
 from deployments.metrics import serve_metric
 
 log = logging.getLogger("ray.serve")
@@ -182,8 +183,10 @@ class Ranker:
         return self._core.report().model_dump(mode="json")
 
     async def __call__(self, request: Request) -> Response:
-        """Direct HTTP ingress (benchmark baseline): same parsing as the router."""
-        if request.method != "POST" or not request.url.path.endswith("/v1/rank"):
+        """Direct HTTP ingress (benchmark baseline): same parsing as the router. It answers
+        the rank task's route with the rank answer (the route is checked before the core is
+        reached: a body over the cap is refused unread, even before the first config)."""
+        if request.method != "POST" or not request.url.path.endswith(RANK_ROUTE):
             return Response(b'{"error":"not_found"}', status_code=404)
         try:
             raw = await read_body(request.headers.get("content-length"), request.stream())

@@ -67,11 +67,14 @@ class Router:
             self._handles[FALLBACK] = fallback
         self._rank_handles = {c: h.options(method_name="rank") for c, h in self._handles.items()}
         standby = StandbyInstruments.build(ray_metric) if fallback is not None else None
+        # The family the app serves (torch-free: the router parses requests, it never loads
+        # a model; build_app checked the names already): its request schema, and its task's
+        # route.
+        family = families_for(models).serving(feature_schema)
+        self._route = family.task.route
         self._core = IngressCore(
             tuple(self._handles),
-            # The request schema of the family the app serves (torch-free: the router parses
-            # requests, it never loads a model); build_app checked the names already.
-            families_for(models).schema(feature_schema),
+            family.schema,
             send=self._send,
             ask_status=self._ask_status,
             instruments=RouterInstruments.build(ray_metric),
@@ -151,7 +154,7 @@ class Router:
     async def __call__(self, request: Request) -> Response:
         self._ensure_probing()
         path = request.url.path.rstrip("/")
-        if path.endswith("/v1/rank"):
+        if path.endswith(self._route):
             if request.method != "POST":
                 return _response(
                     json_answer(405, {"error": "method_not_allowed", "detail": "use POST"})

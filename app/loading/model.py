@@ -4,7 +4,6 @@ run on service-owned requests whose output must be valid before the model may se
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -23,6 +22,7 @@ from app.model_family import (
     SplitForward,
 )
 from app.preprocessing import LabelMapping, RankedCandidate, rank_from_logits
+from app.tasks.rank import check_ranking
 
 if TYPE_CHECKING:
     from app.loading.backbones import ResidentBackbone
@@ -182,7 +182,7 @@ class LoadedModel:
                 )
             ranked = rank_from_logits(batch, host, offsets, self.labels)
             for req, answer in zip(batch, ranked, strict=True):
-                _check_ranking(req, answer, self.labels)
+                check_ranking(req, answer, self.labels)
             if 1 < len(batch) <= 8:
                 # Batch invariance: each request alone scores as it did inside the batch.
                 in_batch = _sigmoid(host)
@@ -219,21 +219,3 @@ def _inputs_key(arrays: Mapping[str, np.ndarray]) -> bytes:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
-
-
-def _check_ranking(req: WireRequest, answer: list[RankedCandidate], labels: LabelMapping) -> None:
-    expected_len = min(req.top_n, len(req.candidate_ids))
-    if len(answer) != expected_len:
-        raise ArtifactRejected(
-            "dry_run", f"{len(answer)} results for top_n={req.top_n} of {len(req.candidate_ids)}"
-        )
-    ids = [c.id for c in answer]
-    if len(set(ids)) != len(ids) or not set(ids) <= set(req.candidate_ids):
-        raise ArtifactRejected("dry_run", "result ids are not distinct candidates of the request")
-    scores = [c.score for c in answer]
-    if not all(0.0 <= s <= 1.0 for s in scores):
-        raise ArtifactRejected("dry_run", "a score is outside [0, 1]")
-    if any(a < b for a, b in itertools.pairwise(scores)):
-        raise ArtifactRejected("dry_run", "results are not sorted by score")
-    if not all(c.label in labels.labels for c in answer):
-        raise ArtifactRejected("dry_run", "a result carries an unknown label")

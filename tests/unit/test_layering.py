@@ -59,6 +59,13 @@ PURE_MODULES = (
     "app.ingress.core",
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
+    # What a family's answers are for: the router reads its task's route and comparison.
+    "app.tasks",
+    "app.tasks.base",
+    "app.tasks.rank",
+    "app.tasks.classify",
+    "app.tasks.score",
+    "app.tasks.embed",
     "app.preprocessing",
     # What reads manifests only (rollout verify, registry register) must not pay for torch:
     # the compatibility check, the verified cache, the load's control (the cache paces and

@@ -14,6 +14,7 @@ from typing import Final
 
 from app.model_family import ArchitectureSpec, ModelFamily, ParamSpec
 from app.models.ranker_mlp.features import SCHEMA
+from app.tasks import RANK
 
 RANKER_MLP: Final = "ranker-mlp"
 
@@ -47,6 +48,7 @@ FAMILY: Final = ModelFamily(
     name=RANKER_MLP,
     architectures=ARCHITECTURES,
     schema=SCHEMA,
+    task=RANK,
     network_path="app.models.ranker_mlp.network:NETWORK",
     # The scoring layer: a head artifact retrains it over a resident backbone.
     head=_head,

@@ -13,6 +13,7 @@ from typing import Final
 
 from app.model_family import ArchitectureSpec, ModelFamily, ParamSpec
 from app.models.two_tower.features import SCHEMA
+from app.tasks import RANK
 
 TWO_TOWER: Final = "two-tower"
 
@@ -34,6 +35,7 @@ FAMILY: Final = ModelFamily(
     name=TWO_TOWER,
     architectures=ARCHITECTURES,
     schema=SCHEMA,
+    task=RANK,
     network_path="app.models.two_tower.network:NETWORK",
     # The scoring layer: a head artifact retrains it over a resident backbone.
     head=lambda params: ("head.",),

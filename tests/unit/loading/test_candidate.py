@@ -22,10 +22,11 @@ from app.loading.formats import (
     safetensors_header_limit,
 )
 from app.loading.memory import MemoryBudget, MiB
-from app.loading.model import LoadedModel, _check_ranking
+from app.loading.model import LoadedModel
 from app.models.ranker_mlp.features import CONTEXT_FIELDS, NUM_FEATURES
 from app.packing import PackResult
 from app.preprocessing import LabelMapping, RankedCandidate
+from app.tasks.rank import check_ranking
 from tests.artifacts import (
     bad_architecture_params_artifact,
     bad_normalization_artifact,
@@ -297,10 +298,10 @@ REQ = _wire(("a", "b", "c"), ((1.0,) * NUM_FEATURES,) * 3, {}, 2)
 )
 def test_output_validation_catches_broken_invariants(answer, detail):
     with pytest.raises(ArtifactRejected) as info:
-        _check_ranking(REQ, answer, LABELS)
+        check_ranking(REQ, answer, LABELS)
     assert info.value.category == "dry_run"
     assert detail in info.value.detail
-    _check_ranking(
+    check_ranking(
         REQ, [RankedCandidate("b", 0.9, "high"), RankedCandidate("a", 0.2, "low")], LABELS
     )
 
