@@ -57,9 +57,11 @@ def test_full_rollout_promotion_and_rollback_lose_nothing(scenario: Scenario) ->
     s = scenario
     stable_ids = s.env.replica_ids("stable")
     audited = s.env.registry.history("ranker", "default", limit=1)[0].id
-    # Longer steps than FAST_PLAN's so every weight has a few hundred requests to count.
+    # Longer steps than FAST_PLAN's so every weight has a couple of hundred requests to count
+    # (two passing 3 s windows and the metrics' wait at 35 req/s): the share check below
+    # sizes its tolerance to the count.
     s.given.stable_on(BASELINE).steady_traffic(rate=35)
-    s.when.start_rollout(CANDIDATE, plan(interval_s=5)).wait_for_finish(timeout=180)
+    s.when.start_rollout(CANDIDATE, plan(interval_s=3)).wait_for_finish(timeout=180)
     s.then.expect_phase("succeeded").expect_stable_target(CANDIDATE).expect_event("finished")
     # Promotion by shift (FAST_PLAN's) moved stable by hot swap: the same replicas, with an
     # audit row for the change (the canary's generations have theirs: every answer's is
@@ -168,10 +170,12 @@ SEQUENTIAL = plan(judge="sequential", progress_deadline_s=150)
 # What shows a canary no worse than its bounds with zero errors and no slow answer is the
 # count of its requests: about 440 for "p99 <= ceiling" (1% of requests allowed over it; the
 # mixture's weight on "never over" is a quarter, so (1/0.99)^n must pass 4/beta = 80), and as
-# many for the success rate. Carried from step to step, so the first step pays for them: at
-# 50% of 50 requests a second that is about 18 s, at the default plan's 20% 44 s. Two steps
-# still carry the evidence over a step.
-A_A_PLAN = plan(judge="sequential", progress_deadline_s=150, steps=[50, 100])
+# many for the success rate. Carried from step to step, so the first step pays for them. The
+# evidence for the canary's latency against stable's p99 also waits for 1000 of stable's
+# requests at the step (its p99 placed at that weight). At 50 requests a second, 30% is where
+# the two meet: 440 canary requests at 15 a second and 1000 stable ones at 35, about 29 s each
+# (at 50%: 18 s and 40 s). Two steps still carry the evidence over a step.
+A_A_PLAN = plan(judge="sequential", progress_deadline_s=150, steps=[30, 100])
 
 
 def judged(s: Scenario) -> tuple[int, float]:
@@ -256,7 +260,7 @@ def test_sequential_judge_promotes_an_a_a_rollout_and_exports_its_evidence(
     twin = _twin_of_baseline(tmp_path)
     s.given.stable_on(BASELINE).candidate(twin).steady_traffic(rate=50)
     # Slow uploads aimed at the canary: one a second, its body 3.5 s on the way, from users
-    # in the canary at 20% (and so at every step). At 25 canary answers a second (50% of 50),
+    # in the canary at 20% (and so at every step). At 15 canary answers a second (30% of 50),
     # the two in each 2 s window would put its p99 over the 3000 ms ceiling, were the upload
     # counted as the canary's latency (it was: an audit got good candidates rolled back this
     # way).

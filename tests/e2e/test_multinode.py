@@ -62,6 +62,10 @@ class MultiNodeEnv:
         self.db = db
         self.plan = work / "plan.yaml"
         self.plan.write_text(yaml.safe_dump(PLAN))
+        # For a rollout whose claims are about where replicas run and what it promotes, not
+        # about its steps: one step with both cohorts taking traffic, then promotion.
+        self.one_step_plan = work / "one-step-plan.yaml"
+        self.one_step_plan.write_text(yaml.safe_dump({**PLAN, "steps": [50, 100]}))
 
     def common(self) -> list[str]:
         return [
@@ -266,7 +270,7 @@ def test_a_rollout_with_both_cohorts_on_both_workers(mn: MultiNodeEnv) -> None:
     assert len(workers) == 2
     traffic = steady_traffic(mn.cluster.http_url, rate=15)
     try:
-        mn.rollout("start", "ranker", CANDIDATE, "--plan", str(mn.plan))
+        mn.rollout("start", "ranker", CANDIDATE, "--plan", str(mn.one_step_plan))
         with mn.watch() as watch:
             watch.until_canary_weight(180)
             # Serve spreads replicas over nodes (best effort): each deployment on both workers.
