@@ -15,15 +15,28 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+
+import numpy as np
+
+from app.errors import ArtifactRejected
 
 # The tasks a family may declare. Streaming generation ("generate") answers with a stream of
 # tokens rather than one array per request; it gets its name once its answer and comparison
 # are defined.
 TaskName = Literal["rank", "classify", "score", "embed"]
 TASK_NAMES: Final[tuple[str, ...]] = ("rank", "classify", "score", "embed")
+
+
+def refuse_where(mask: np.ndarray, message: Callable[[tuple[int, ...], int], str]) -> None:
+    """A dry-run check: ArtifactRejected("dry_run") when ``mask`` holds anywhere, worded by
+    ``message(index of the first place it holds, how many places do)``."""
+    hits = np.argwhere(mask)
+    if len(hits):
+        first = tuple(int(i) for i in hits[0])
+        raise ArtifactRejected("dry_run", message(first, len(hits)))
 
 
 @dataclass(frozen=True)

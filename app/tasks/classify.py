@@ -16,7 +16,7 @@ from typing import Final
 import numpy as np
 
 from app.errors import ArtifactRejected
-from app.tasks.base import Measure, Task, TaskName
+from app.tasks.base import Measure, Task, TaskName, refuse_where
 
 CLASSIFY_ROUTE: Final = "/v1/classify"
 # How far from 1 a row of float32 probabilities may sum (a softmax over a few thousand labels
@@ -42,30 +42,24 @@ def check_probabilities(
             "dry_run", f"probabilities of shape {tuple(probabilities.shape)}, expected {expected}"
         )
     values = probabilities.astype(np.float64, copy=False)
-    bad = np.argwhere(~np.isfinite(values))
-    if bad.size:
-        row, column = (int(i) for i in bad[0])
-        raise ArtifactRejected(
-            "dry_run",
-            f"{len(bad)} probabilities are not finite (first: input {row}, {labels[column]!r})",
-        )
-    outside = np.argwhere((values < 0.0) | (values > 1.0))
-    if outside.size:
-        row, column = (int(i) for i in outside[0])
-        raise ArtifactRejected(
-            "dry_run",
-            f"probability {values[row, column]:.6g} outside [0, 1] "
-            f"(input {row}, {labels[column]!r})",
-        )
+    refuse_where(
+        ~np.isfinite(values),
+        lambda at, n: f"{n} probabilities are not finite (first: input {at[0]}, {labels[at[1]]!r})",
+    )
+    refuse_where(
+        (values < 0.0) | (values > 1.0),
+        lambda at, _: (
+            f"probability {values[at]:.6g} outside [0, 1] (input {at[0]}, {labels[at[1]]!r})"
+        ),
+    )
     sums = values.sum(axis=1)
-    off = np.flatnonzero(np.abs(sums - 1.0) > tol)
-    if off.size:
-        row = int(off[0])
-        raise ArtifactRejected(
-            "dry_run",
-            f"the probabilities of input {row} sum to {sums[row]:.6g}, not 1 (tol {tol:g}); "
-            f"{off.size} of {inputs} inputs are off",
-        )
+    refuse_where(
+        np.abs(sums - 1.0) > tol,
+        lambda at, n: (
+            f"the probabilities of input {at[0]} sum to {sums[at]:.6g}, not 1 "
+            f"(tol {tol:g}); {n} of {inputs} inputs are off"
+        ),
+    )
 
 
 def predicted_labels(probabilities: np.ndarray, labels: Sequence[str]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Final
 import numpy as np
 
 from app.errors import ArtifactRejected
-from app.tasks.base import Measure, Task, TaskName
+from app.tasks.base import Measure, Task, TaskName, refuse_where
 
 EMBED_ROUTE: Final = "/v1/embed"
 
@@ -45,20 +45,18 @@ def check_embeddings(vectors: np.ndarray, *, inputs: int, shape: EmbeddingShape)
             "dry_run", f"embeddings of shape {tuple(vectors.shape)}, expected {expected}"
         )
     values = vectors.astype(np.float64, copy=False)
-    bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
-    if bad.size:
-        raise ArtifactRejected(
-            "dry_run", f"{bad.size} of {inputs} embeddings are not finite (first: input {bad[0]})"
-        )
+    refuse_where(
+        ~np.isfinite(values).all(axis=1),
+        lambda at, n: f"{n} of {inputs} embeddings are not finite (first: input {at[0]})",
+    )
     norms = np.linalg.norm(values, axis=1)
-    outside = np.flatnonzero((norms < shape.min_norm) | (norms > shape.max_norm))
-    if outside.size:
-        i = int(outside[0])
-        raise ArtifactRejected(
-            "dry_run",
-            f"the embedding of input {i} has norm {norms[i]:.6g}, outside "
-            f"[{shape.min_norm:g}, {shape.max_norm:g}] ({outside.size} of {inputs} inputs)",
-        )
+    refuse_where(
+        (norms < shape.min_norm) | (norms > shape.max_norm),
+        lambda at, n: (
+            f"the embedding of input {at[0]} has norm {norms[at]:.6g}, outside "
+            f"[{shape.min_norm:g}, {shape.max_norm:g}] ({n} of {inputs} inputs)"
+        ),
+    )
 
 
 def cosine_similarities(stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 
 from app.errors import ArtifactRejected
-from app.tasks.base import Measure, Task, TaskName
+from app.tasks.base import Measure, Task, TaskName, refuse_where
 
 SCORE_ROUTE: Final = "/v1/score"
 
@@ -40,19 +40,17 @@ def check_scores(scores: np.ndarray, *, items: int, bounds: ScoreBounds) -> None
             "dry_run", f"scores of shape {tuple(scores.shape)}, expected ({items},)"
         )
     values = scores.astype(np.float64, copy=False)
-    bad = np.flatnonzero(~np.isfinite(values))
-    if bad.size:
-        raise ArtifactRejected(
-            "dry_run", f"{bad.size} of {items} scores are not finite (first: item {bad[0]})"
-        )
-    outside = np.flatnonzero((values < bounds.low) | (values > bounds.high))
-    if outside.size:
-        i = int(outside[0])
-        raise ArtifactRejected(
-            "dry_run",
-            f"score {values[i]:.6g} of item {i} outside [{bounds.low:g}, {bounds.high:g}] "
-            f"({outside.size} of {items} items)",
-        )
+    refuse_where(
+        ~np.isfinite(values),
+        lambda at, n: f"{n} of {items} scores are not finite (first: item {at[0]})",
+    )
+    refuse_where(
+        (values < bounds.low) | (values > bounds.high),
+        lambda at, n: (
+            f"score {values[at]:.6g} of item {at[0]} outside "
+            f"[{bounds.low:g}, {bounds.high:g}] ({n} of {items} items)"
+        ),
+    )
 
 
 def relative_differences(stable: np.ndarray, candidate: np.ndarray) -> np.ndarray:
