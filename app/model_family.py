@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from app.contracts import WireRequest
     from app.manifest import Architecture
+    from app.tasks.rank import RankTensors
 
 # Every family that ships with the service: what offline tools (``rollout verify --load``,
 # ``rollout replay``) know without being told.
@@ -129,6 +130,10 @@ class RequestSchema(Protocol):
     # Artifact files the preprocessing is read from, besides the weights and the score
     # bands (e.g. ``normalization.json``).
     preprocessing_files: tuple[str, ...]
+    # How the request reads as Open Inference Protocol tensors (``/v2/models/{name}/infer``):
+    # the tensors and parameters that build the family's body (``app.tasks.rank.RankTensors``
+    # for a ranking family).
+    oip: RankTensors
 
     def parse(self, raw: bytes) -> ParsedRequest:
         """Validate a body; ``app.errors.RequestInvalid`` names the first bad field."""

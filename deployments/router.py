@@ -27,9 +27,10 @@ from starlette.responses import Response
 
 from app.api import StatusResponse
 from app.contracts import CANARY, FALLBACK, STABLE, AppArgs, Role, StandbyView, WireRequest
-from app.ingress.answers import JSON, HttpAnswer, json_answer
+from app.ingress.answers import HttpAnswer, json_answer
 from app.ingress.core import COHORT_HEADER, IngressCore
 from app.ingress.instruments import RouterInstruments, ShadowInstruments, StandbyInstruments
+from app.ingress.oip_endpoint import OipEndpoint, protocol_path
 from app.model_family import DEFAULT_FAMILIES, families_for
 from deployments.metrics import ray_metric
 
@@ -44,7 +45,7 @@ DEFAULT_MAX_ONGOING_REQUESTS: Final = AppArgs().router_max_ongoing_requests
 
 def _response(answer: HttpAnswer) -> Response:
     response = Response(
-        answer.body, status_code=answer.status, media_type=JSON, headers=answer.headers
+        answer.body, status_code=answer.status, media_type=answer.media_type, headers=answer.headers
     )
     if answer.close_connection:
         response.headers["Connection"] = "close"
@@ -81,6 +82,8 @@ class Router:
             shadow_instruments=ShadowInstruments.build(ray_metric),
             standby_instruments=standby,
         )
+        # The Open Inference Protocol (/v2/...) for KServe and Triton clients, on the same core.
+        self._oip = OipEndpoint(self._core, family.name)
         # The core's state under the names the in-process tests read (the same objects).
         self._health = self._core.health
         self._metrics = self._core.metrics
@@ -164,6 +167,12 @@ class Router:
                 headers.get("content-length"), request.stream(), headers.get(COHORT_HEADER)
             )
             return _response(answer)
+        below_v2 = protocol_path(path)
+        if below_v2 is not None:
+            oip = await self._oip.handle(
+                request.method, below_v2, request.headers.get, request.stream()
+            )
+            return _response(oip)
         if request.method != "GET":
             return _response(json_answer(405, {"error": "method_not_allowed", "detail": "use GET"}))
         if path.endswith("/v1/status"):

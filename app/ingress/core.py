@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from app import telemetry as t
-from app.api import CohortView, RankResponse, ReplicaView, StatusResponse
+from app.api import CohortView, ReplicaView, StatusResponse
 from app.body_reads import BodyReads
 from app.contracts import (
     BASIS_POINTS,
@@ -48,7 +48,7 @@ from app.contracts import (
     clip_text,
 )
 from app.errors import ConfigError, RequestInvalid
-from app.ingress.answers import HttpAnswer, json_answer
+from app.ingress.answers import BuildAnswer, HttpAnswer, json_answer, rank_answer
 from app.ingress.coalescing import Answer, CohortCoalescer
 from app.ingress.instruments import RouterInstruments, ShadowInstruments, StandbyInstruments
 from app.ingress.probes import (
@@ -111,7 +111,7 @@ class IngressCore:
     ) -> None:
         # The deployments this router calls: the primary cohorts, and the fallback if any.
         self.roles = tuple(roles)
-        self._schema = schema
+        self.schema = schema
         self._send = send
         self._ask_status = ask_status
         self._clock = clock
@@ -261,6 +261,20 @@ class IngressCore:
         cohort_header: str | None = None,
     ) -> HttpAnswer:
         """Admit, parse, route and answer one ``POST /v1/rank``."""
+        return await self.serve(
+            content_length, chunks, cohort_header, self.schema.parse, rank_answer
+        )
+
+    async def serve(
+        self,
+        content_length: str | None,
+        chunks: AsyncIterable[bytes],
+        cohort_header: str | None,
+        parse: Callable[[bytes], ParsedRequest],
+        build: BuildAnswer,
+    ) -> HttpAnswer:
+        """Admit, parse (``parse``: the body's protocol, ``/v1/rank`` or the Open Inference
+        Protocol), route and answer (``build``) one request."""
         config = self.config
         if config.draining:
             return self.reject(503, "draining", "the router is draining; retry shortly")
@@ -276,7 +290,7 @@ class IngressCore:
                 max_bytes=config.max_body_read_bytes,
             )
             self.metrics.body_read.observe((self._timer() - reading) * 1000.0)
-            parsed = self._schema.parse(raw)
+            parsed = parse(raw)
             forced = parse_forced_cohort(cohort_header, allowed=config.allow_cohort_header)
         except RequestInvalid as exc:
             # A body left unread (too large, too slow, no room to read it): the connection
@@ -291,7 +305,7 @@ class IngressCore:
             return self.reject(503, "overloaded", f"over {config.max_in_flight} requests")
         self.in_flight += 1
         try:
-            return await self._rank_admitted(parsed, forced, config)
+            return await self._rank_admitted(parsed, forced, config, build)
         finally:
             self.in_flight -= 1
 
@@ -310,7 +324,11 @@ class IngressCore:
         )
 
     async def _rank_admitted(
-        self, parsed: ParsedRequest, forced: Cohort | None, config: RouterConfig
+        self,
+        parsed: ParsedRequest,
+        forced: Cohort | None,
+        config: RouterConfig,
+        build: BuildAnswer,
     ) -> HttpAnswer:
         # The judged latency (ROUTER_LATENCY_MS, by cohort) starts here: the request read
         # and parsed, its cohort about to be chosen.
@@ -347,10 +365,7 @@ class IngressCore:
         if failover:
             self.metrics.failovers.inc(tags={t.FROM_COHORT: decision.bucketed, t.COHORT: cohort})
         self._observe(cohort, "ok", started)
-        text, headers = RankResponse.encode(
-            meta, ranking, failover=failover, reveal_cohort=config.reveal_cohort
-        )
-        answer = HttpAnswer(200, text, headers)
+        answer = build(meta, ranking, failover, config.reveal_cohort)
         if cohort == STABLE and not failover and forced is None:
             self.offer_copy(parsed.wire, key, meta, ranking, config)
         return answer

@@ -246,6 +246,58 @@ def test_bucketing_is_deterministic_and_monotone(serving: Cluster) -> None:
     assert {a["cohort"] for a in anonymous} == {"stable", "canary"}
 
 
+def test_a_triton_client_is_routed_by_weight_and_answered_as_v1_rank_answers(
+    serving: Cluster,
+) -> None:
+    """The Open Inference Protocol through the running app, by its own client library
+    (binary tensors, its defaults): each of 100 users lands in the cohort /v1/rank puts it in
+    at 25% (both cohorts, with near certainty, and about a quarter in the canary), and gets
+    the same top-N, with the same scores, from the same artifact. 200 requests."""
+    import httpx
+    import numpy as np
+    import tritonclient.http as triton
+
+    from tests.e2e.harness import rank_body
+
+    cluster = serving
+    set_weight(cluster, 2500)
+    client = triton.InferenceServerClient(url=cluster.http_url.removeprefix("http://"))
+    assert client.is_model_ready("ranker-mlp")
+    canary = 0
+    with httpx.Client(base_url=cluster.http_url, timeout=30) as http:
+        for i in range(100):
+            user = f"oip-user-{i}"
+            body = rank_body(user, n=4, top_n=2)
+            v1 = http.post("/v1/rank", json=body)
+            assert v1.status_code == 200, v1.text
+            expected = v1.json()
+            rows = np.array(
+                [[np.nan if x is None else x for x in c["features"]] for c in body["candidates"]],
+                dtype=np.float32,
+            )
+            features = triton.InferInput("features", list(rows.shape), "FP32")
+            features.set_data_from_numpy(rows)
+            ids = triton.InferInput("candidate_ids", [len(rows)], "BYTES")
+            ids.set_data_from_numpy(
+                np.array([c["id"].encode() for c in body["candidates"]], dtype=object)
+            )
+            result = client.infer(
+                "ranker-mlp", [features, ids],
+                parameters={"user_id": user, "top_n": 2, **body["context"]},
+            )  # fmt: skip
+            tags = result.get_response()["parameters"]
+            assert tags["cohort"] == expected["model"]["cohort"], (user, tags, expected)
+            assert tags["artifact_id"] == expected["model"]["artifact_id"]
+            assert [x.decode() for x in result.as_numpy("candidate_ids")] == [
+                c["id"] for c in expected["ranking"]
+            ]
+            np.testing.assert_allclose(
+                result.as_numpy("scores"), [c["score"] for c in expected["ranking"]], atol=1e-4
+            )
+            canary += tags["cohort"] == "canary"
+    assert 8 <= canary <= 42, canary  # 25 of 100, within 4 sigma
+
+
 def test_failover_when_the_canary_pool_is_gone(serving: Cluster) -> None:
     import ray
 

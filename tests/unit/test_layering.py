@@ -57,6 +57,8 @@ PURE_MODULES = (
     "app.ingress.probes",
     "app.ingress.standby_gate",
     "app.ingress.core",
+    "app.ingress.oip",
+    "app.ingress.oip_endpoint",
     # A family's declaration and request schema: the router holds them.
     "app.model_family",
     # What a family's answers are for: the router reads its task's route and comparison.

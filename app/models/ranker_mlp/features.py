@@ -35,6 +35,7 @@ from app.preprocessing import (
     candidate_offsets,
     stack_features,
 )
+from app.tasks.rank import RankTensors
 
 if TYPE_CHECKING:
     from app.contracts import WireRequest
@@ -191,6 +192,7 @@ class RankerFeaturesV3:
 
     name = FEATURE_SCHEMA
     preprocessing_files = (NORMALIZATION_FILE,)
+    oip = RankTensors(item_list="candidates", item_width=NUM_FEATURES, context=CONTEXT)
 
     def parse(self, raw: bytes) -> ParsedRequest:
         body = parse_rank_body(raw)

@@ -39,6 +39,7 @@ from app.preprocessing import (
     candidate_offsets,
     stack_features,
 )
+from app.tasks.rank import RankTensors
 
 if TYPE_CHECKING:
     from app.contracts import WireRequest
@@ -137,6 +138,12 @@ class TwoTowerFeaturesV1:
 
     name = FEATURE_SCHEMA
     preprocessing_files = (NORMALIZATION_FILE,)
+    oip = RankTensors(
+        item_list="items",
+        item_width=NUM_ITEM_FEATURES,
+        context=CONTEXT,
+        query=("user_features", "user", NUM_USER_FEATURES),
+    )
 
     def parse(self, raw: bytes) -> ParsedRequest:
         from app.contracts import WireRequest
