@@ -9,7 +9,9 @@ and the Ray metrics the core records into (``deployments.metrics``, from the tab
 
 A raw Starlette request handler, not FastAPI: the hop through this deployment is the cost to
 keep small (every request pays for it, on cores the replicas need), and FastAPI's routing +
-response-model machinery is pure overhead for five fixed paths.
+response-model machinery is pure overhead for a handful of fixed paths: the family's task route
+(``/v1/rank``), ``/v1/status``, the probes, and the Open Inference Protocol's ``/v2/...``
+(``app.ingress.oip_endpoint``).
 """
 
 from __future__ import annotations
