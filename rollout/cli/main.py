@@ -57,6 +57,7 @@ class _Commands(click.Group):
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ray-rollout", prog_name="rollout")
 def cli() -> None:
     """Zero-downtime model rollouts on Ray Serve."""
 

@@ -149,3 +149,17 @@ def test_a_registry_server_that_is_down_is_unavailable(tmp_path: Path) -> None:
     )
     assert done.returncode == 7, (done.returncode, done.stderr)
     assert done.stderr.startswith("error[registry.unavailable]:"), done.stderr
+
+
+def test_the_binary_and_python_dash_m_say_the_installed_version() -> None:
+    from importlib.metadata import version
+
+    expected = f"rollout, version {version('ray-rollout')}"
+    for argv in ([ROLLOUT, "--version"], [sys.executable, "-m", "rollout", "--version"]):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (argv, proc.stderr)
+        assert proc.stdout.strip() == expected, (argv, proc.stdout)
+    # The same command as the binary: its usage errors exit 2 the same way.
+    unknown = subprocess.run([sys.executable, "-m", "rollout", "no-such-command"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert unknown.returncode == 2 and "No such command" in unknown.stderr
