@@ -1,7 +1,9 @@
 """The ``rank`` task: a request names candidates, the answer is the top ``top_n`` of them by
 score, each score in [0, 1] with the artifact's score band as its label. Two answers are
 compared as rankings (``app.divergence``: rank-biased overlap, top-k overlap, a changed top
-item, the largest score difference)."""
+item, the largest score difference). On the Open Inference Protocol a ranking family's
+request is tensors and parameters (``RankTensors``) and its answer three output tensors
+(``OIP_OUTPUTS``)."""
 
 from __future__ import annotations
 
