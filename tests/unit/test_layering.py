@@ -346,11 +346,18 @@ def test_the_module_scan_sees_packages_imported_from() -> None:
 
 def test_the_layer_walks_find_the_packages_and_the_shims() -> None:
     assert {p.name for p in CLI.glob("*.py")} >= {"main.py", "artifacts.py", "operate.py"}
+    assert ENTRY_POINT.is_file()
     assert {p.name for p in LOCAL.glob("*.py")} >= {"demo.py", "stack.py", "traffic.py"}
     assert all(path.is_file() for path in SHIMS), sorted(p for p in SHIMS if not p.is_file())
 
 
-@pytest.mark.parametrize("path", product_files(CLI), ids=lambda p: str(p.relative_to(ROOT)))
+# ``python -m rollout``: the entry point above the CLI, the one module that may import it.
+ENTRY_POINT = ROOT / "rollout" / "__main__.py"
+
+
+@pytest.mark.parametrize(
+    "path", product_files(CLI, ENTRY_POINT), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_nothing_outside_the_cli_imports_it(path: Path) -> None:
     bad = imports_of_package(path.read_text(), "rollout.cli")
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: rollout/cli is the top"
