@@ -20,12 +20,13 @@ import json
 import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
 from app.errors import RequestInvalid
+from app.ingress.answers import HttpAnswer
 
 # The header that splits a body into its JSON document and the binary tensors after it.
 HEADER_LENGTH: Final = "inference-header-content-length"
@@ -89,13 +90,6 @@ class OutputTensor:
     name: str
     datatype: str
     array: np.ndarray
-
-
-@dataclass(frozen=True)
-class EncodedAnswer:
-    body: bytes
-    headers: dict[str, str] = field(default_factory=dict)
-    media_type: str = "application/json"
 
 
 def _invalid(where: str, detail: str) -> RequestInvalid:
@@ -304,9 +298,11 @@ def encode_infer(
     request: InferRequest,
     outputs: Sequence[OutputTensor],
     parameters: Mapping[str, Parameter],
-) -> EncodedAnswer:
-    """The answer to ``request``: the outputs it asked for (all when it named none), each in
-    JSON or binary as it asked. RequestInvalid names an output the model does not have."""
+    headers: Mapping[str, str] | None = None,
+) -> HttpAnswer:
+    """The answer to ``request`` (200, with ``headers``): the outputs it asked for (all when
+    it named none), each in JSON or binary as it asked. RequestInvalid names an output the
+    model does not have."""
     known = {o.name: o for o in outputs}
     if request.outputs is None:
         chosen = [(o, request.binary_default) for o in outputs]
@@ -343,11 +339,12 @@ def encode_infer(
     document["outputs"] = tensors
     text = json.dumps(document).encode()
     if not binary_parts:
-        return EncodedAnswer(text)
-    return EncodedAnswer(
+        return HttpAnswer(200, text, dict(headers or {}))
+    return HttpAnswer(
+        200,
         text + b"".join(binary_parts),
-        {"Inference-Header-Content-Length": str(len(text))},
-        OCTET_STREAM,
+        {**(headers or {}), "Inference-Header-Content-Length": str(len(text))},
+        media_type=OCTET_STREAM,
     )
 
 

@@ -184,15 +184,13 @@ class OipEndpoint:
             if reveal:
                 parameters["cohort"] = meta.cohort
                 headers["X-Model-Cohort"] = meta.cohort
-            encoded = encode_infer(
+            return encode_infer(
                 model_name=self.model_name,
                 model_version=meta.artifact_id,
                 request=decoded[0],
                 outputs=oip_outputs(ranking),
                 parameters=parameters,
-            )
-            return HttpAnswer(
-                200, encoded.body, {**headers, **encoded.headers}, media_type=encoded.media_type
+                headers=headers,
             )
 
         answer = await self.core.serve(content_length, chunks, cohort_header, parse, build)
