@@ -15,7 +15,12 @@ import math
 from dataclasses import dataclass
 from typing import Final
 
-from app.contracts import PASS_QUANTILE, PlanEstimateView, StepEstimateView, duration_text
+from app.contracts import (
+    PASS_QUANTILE_TEXT,
+    PlanEstimateView,
+    StepEstimateView,
+    duration_text,
+)
 from app.errors import PlanDoesNotFit
 from rollout.analysis import WindowStats
 from rollout.estimate import (
@@ -31,7 +36,6 @@ from rollout.plan import RolloutPlan
 # idle, every IDLE_OBSERVE_S), and no estimate from fewer of stable's requests than this.
 TRAFFIC_LOOKBACK_S: Final = 300.0
 MIN_TRAFFIC_REQUESTS: Final = 200
-LATE: Final = f"{PASS_QUANTILE:.1%}"  # "99.5%": the share of healthy canaries a deadline covers
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ def describe_step(step: StepEstimate, steps: int) -> str:
     )
     return (
         f"{where}: a healthy canary passes in about {duration_text(step.seconds_to_pass)} "
-        f"({LATE} within {duration_text(step.seconds_to_pass_late)}; set by {step.limiting}){catch}"
+        f"({PASS_QUANTILE_TEXT} within {duration_text(step.seconds_to_pass_late)}; "
+        f"set by {step.limiting}){catch}"
     )
 
 
@@ -192,8 +197,8 @@ def estimate_note(estimated: PlanEstimateView | None, plan: RolloutPlan) -> str:
         return f"no estimate ({why}); progress deadline {plan.deadline_s:g} s"
     first = estimated.steps[0] if estimated.steps else None
     took = (
-        f"step 1 passes a healthy canary in about {first.pass_s:.0f} s ({LATE} within "
-        f"{first.pass_late_s:.0f} s), set by {first.limiting}; "
+        f"step 1 passes a healthy canary in about {first.pass_s:.0f} s "
+        f"({PASS_QUANTILE_TEXT} within {first.pass_late_s:.0f} s), set by {first.limiting}; "
         if first is not None and first.pass_s is not None and first.pass_late_s is not None
         else ""
     )

@@ -62,6 +62,7 @@ from app.contracts.targets import (
 )
 from app.contracts.views import (
     PASS_QUANTILE,
+    PASS_QUANTILE_TEXT,
     BreakerStateName,
     BreakerView,
     CheckProgressView,
@@ -156,6 +157,7 @@ __all__ = [
     "MAX_TRUST_ANCHORS",
     "MAX_WALL_CLOCK",
     "PASS_QUANTILE",
+    "PASS_QUANTILE_TEXT",
     "ROLES",
     "STABLE",
     "TERMINAL_ROLLOUT_PHASES",

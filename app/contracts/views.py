@@ -151,6 +151,7 @@ class ShadowView(Contract):
 # rollout/estimate.py): 99%, with a margin for the step needing every check at once (the
 # benchmark's A/A rollouts at the 99th percentile's deadline: 99.0-99.3% promoted).
 PASS_QUANTILE: Final = 0.995
+PASS_QUANTILE_TEXT: Final = f"{PASS_QUANTILE:.1%}"  # "99.5%", as the estimate's lines say it
 
 
 def duration_text(seconds: float | None, *, unit_gap: str = " ") -> str:

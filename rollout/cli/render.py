@@ -18,7 +18,7 @@ import click
 
 from app.contracts import (
     COHORTS,
-    PASS_QUANTILE,
+    PASS_QUANTILE_TEXT,
     ControllerStatus,
     ReplicaPhase,
     ReplicaRow,
@@ -122,9 +122,6 @@ def _duration(seconds: float | None) -> str:
     return duration_text(seconds, unit_gap="")
 
 
-LATE = f"{PASS_QUANTILE:.1%}"
-
-
 def estimate_lines(view: RolloutSummary) -> list[str]:
     """The start's estimate, and the current step's way to its decision."""
     lines = []
@@ -140,8 +137,9 @@ def estimate_lines(view: RolloutSummary) -> list[str]:
             mark = "" if step.fits else "  DOES NOT FIT"
             lines.append(
                 f"  step {step.index + 1}/{len(found.steps)} ({step.percent:g}%): passes in "
-                f"~{_duration(step.pass_s)} ({LATE} within {_duration(step.pass_late_s)}; "
-                f"{step.limiting}), catches 2x a bound in ~{_duration(step.catch_s)}{mark}"
+                f"~{_duration(step.pass_s)} ({PASS_QUANTILE_TEXT} within "
+                f"{_duration(step.pass_late_s)}; {step.limiting}), catches 2x a bound in "
+                f"~{_duration(step.catch_s)}{mark}"
             )
     progress = view.progress
     if progress is not None:
